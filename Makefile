@@ -1,0 +1,42 @@
+# One command per job: `make test` and `make demo` set themselves up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint types pytest docs demo bench bench-core bench-celery clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,dev,docs,demo]'
+	touch $(STAMP)
+
+test: lint types pytest docs
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+types: $(STAMP)
+	$(VENV)/bin/mypy celery_redsem
+
+pytest: $(STAMP)
+	$(PY) -m pytest
+
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
+demo: $(STAMP)
+	$(PY) -m example_project.demo
+
+bench: bench-core
+
+bench-core: $(STAMP)
+	$(PY) -m benchmarks.bench_core
+
+bench-celery: $(STAMP)
+	$(PY) -m benchmarks.bench_celery
+
+clean:
+	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,40 @@
+"""celery_redsem: a Redis-backed fair semaphore and lock for Celery tasks.
+
+The core (:class:`FairSemaphore`, :class:`Lock`) works with any redis-py client, with or
+without Celery.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    AcquireTimeout,
+    BackendError,
+    ConfigurationError,
+    KeyFunctionError,
+    PermitLost,
+    RedsemError,
+)
+from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
+from .semaphore import FairSemaphore, Lock, read_state, refresh_permits
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcquireTimeout",
+    "BackendError",
+    "ConfigurationError",
+    "FairSemaphore",
+    "HolderInfo",
+    "KeyFunctionError",
+    "Lock",
+    "Permit",
+    "PermitLost",
+    "RedsemError",
+    "RefreshResult",
+    "SemaphoreState",
+    "WaiterInfo",
+    "Waiting",
+    "__version__",
+    "read_state",
+    "refresh_permits",
+]

@@ -1,0 +1,110 @@
+"""Key names: the one place that knows how a semaphore's keys are spelled.
+
+All keys of one semaphore share the hash tag ``{name}``, so on Redis Cluster they live in one
+slot and every script can touch them atomically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigurationError
+
+MAX_NAME_LENGTH = 512
+DEFAULT_PREFIX = "redsem"
+
+__all__ = ["DEFAULT_PREFIX", "MAX_NAME_LENGTH", "SemaphoreKeys", "validate_name", "validate_prefix"]
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it is a usable semaphore name, else raise :class:`ConfigurationError`."""
+    if not isinstance(name, str):
+        raise ConfigurationError(f"semaphore name must be a str, got {type(name).__name__}")
+    if not name:
+        raise ConfigurationError("semaphore name must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ConfigurationError(
+            f"semaphore name is {len(name)} characters long; the maximum is {MAX_NAME_LENGTH}",
+            name=name[:80] + "...",
+        )
+    if "{" in name or "}" in name:
+        raise ConfigurationError(
+            f"semaphore name {name!r} must not contain '{{' or '}}' (they are the cluster hash tag)",
+            name=name,
+        )
+    return name
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return ``prefix`` if it is a usable key prefix, else raise :class:`ConfigurationError`."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ConfigurationError(f"key prefix must be a non-empty str, got {prefix!r}")
+    if "{" in prefix or "}" in prefix or "*" in prefix:
+        raise ConfigurationError(f"key prefix {prefix!r} must not contain '{{', '}}' or '*'")
+    return prefix
+
+
+@dataclass(frozen=True)
+class SemaphoreKeys:
+    """The Redis keys of one semaphore."""
+
+    prefix: str
+    name: str
+
+    @property
+    def base(self) -> str:
+        """Common part of every key: ``<prefix>:{<name>}``."""
+        return f"{self.prefix}:{{{self.name}}}"
+
+    @property
+    def holders(self) -> str:
+        """Sorted set: permit id -> lease expiry (server ms)."""
+        return f"{self.base}:holders"
+
+    @property
+    def tokens(self) -> str:
+        """Hash: permit id -> fencing token of the current grant."""
+        return f"{self.base}:tokens"
+
+    @property
+    def waiters(self) -> str:
+        """Sorted set: permit id -> ticket (FIFO order of the waiting line)."""
+        return f"{self.base}:waiters"
+
+    @property
+    def waiter_expiry(self) -> str:
+        """Sorted set: permit id -> waiter lease expiry (server ms)."""
+        return f"{self.base}:wexp"
+
+    @property
+    def meta(self) -> str:
+        """Hash: ``limit``, last fencing token ``fence`` and ticket counter ``ticket``."""
+        return f"{self.base}:meta"
+
+    @property
+    def wake_prefix(self) -> str:
+        """Prefix of the per-waiter wake-up lists (``<wake_prefix><permit id>``)."""
+        return f"{self.base}:wake:"
+
+    def wake(self, permit_id: str) -> str:
+        """The list a blocked waiter pops to be told that a permit may be free."""
+        return self.wake_prefix + permit_id
+
+    @property
+    def all(self) -> list[str]:
+        """The five keys every script receives, in the order the scripts expect them."""
+        return [self.holders, self.tokens, self.waiters, self.waiter_expiry, self.meta]
+
+    @classmethod
+    def scan_pattern(cls, prefix: str, name_pattern: str = "*") -> str:
+        """A SCAN pattern matching the ``meta`` key of every semaphore whose name matches."""
+        return f"{prefix}:{{{name_pattern}}}:meta"
+
+    @classmethod
+    def name_from_key(cls, prefix: str, key: str) -> str | None:
+        """The semaphore name inside one of its keys, or None if the key is not ours."""
+        head = f"{prefix}:{{"
+        if not key.startswith(head):
+            return None
+        end = key.rfind("}:")
+        return key[len(head) : end] if end >= len(head) else None

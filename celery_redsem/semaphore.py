@@ -1,0 +1,347 @@
+"""The fair counting semaphore and the lock, each operation one atomic script and one round trip.
+
+Usable without Celery::
+
+    sem = FairSemaphore(redis.Redis(), "market:42", limit=5, lease=10)
+    with sem.hold(timeout=30) as permit:
+        call_market(fencing_token=permit.token)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from .errors import AcquireTimeout, BackendError, ConfigurationError, PermitLost
+from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
+from .scripts import ACQUIRE, REFRESH, RELEASE, STATE, LuaScript
+
+__all__ = ["FairSemaphore", "Lock", "RedisClient", "refresh_permits"]
+
+RedisClient = redis.Redis | RedisCluster
+DEFAULT_LEASE = 10.0
+DEFAULT_IDLE_TTL = 60.0
+MAX_PERMIT_ID_LENGTH = 256
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _positive_seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"{what} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _validate_client(client: object) -> RedisClient:
+    if not isinstance(client, redis.Redis | RedisCluster):
+        raise ConfigurationError(
+            f"client must be a redis.Redis or redis.cluster.RedisCluster, got "
+            f"{type(client).__module__}.{type(client).__qualname__}; "
+            "create one with redis.Redis.from_url('redis://host:6379/0')"
+        )
+    return client
+
+
+def _validate_permit_id(permit_id: object) -> str:
+    if not isinstance(permit_id, str) or not permit_id:
+        raise ConfigurationError(f"permit_id must be a non-empty str, got {permit_id!r}")
+    if len(permit_id) > MAX_PERMIT_ID_LENGTH:
+        raise ConfigurationError(f"permit_id longer than {MAX_PERMIT_ID_LENGTH} characters")
+    return permit_id
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _run(script: LuaScript, client: Any, keys: list[str], args: list[Any], name: str) -> Any:
+    try:
+        return script(client, keys, args)
+    except redis.RedisError as exc:
+        raise BackendError(f"Redis failed during {script.filename} for {name!r}: {exc}", name=name) from exc
+
+
+class FairSemaphore:
+    """At most ``limit`` holders at once per ``name``, across every process that uses the server.
+
+    Waiters are served first come, first served; every grant carries a fencing token; leases are
+    kept on the server's clock, so a crashed holder frees its permit when its lease ends.
+
+    Args:
+        client: a ``redis.Redis`` (also Sentinel's ``master_for``) or ``RedisCluster``.
+        name: the semaphore's name; every key it uses carries it as the cluster hash tag.
+        limit: how many holders at once (an int >= 1).
+        lease: seconds a permit lives without a refresh.
+        waiter_lease: seconds a place in the waiting line lives without the waiter coming back
+            (default: ``lease``).
+        idle_ttl: seconds the keys outlive the last lease in them; then an idle semaphore
+            leaves nothing behind.
+        prefix: first part of every key, to keep the plugin in its namespace.
+        clock: monotonic clock for local deadlines (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        name: str,
+        limit: int,
+        *,
+        lease: float = DEFAULT_LEASE,
+        waiter_lease: float | None = None,
+        idle_ttl: float = DEFAULT_IDLE_TTL,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = _validate_client(client)
+        self.name = validate_name(name)
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise ConfigurationError(f"limit must be an int >= 1, got {limit!r}", name=name)
+        if limit < 1:
+            raise ConfigurationError(f"limit must be >= 1, got {limit}", name=name)
+        self.limit = limit
+        self.lease = _positive_seconds(lease, "lease")
+        self.waiter_lease = _positive_seconds(
+            self.lease if waiter_lease is None else waiter_lease, "waiter_lease"
+        )
+        self.idle_ttl = _positive_seconds(idle_ttl, "idle_ttl")
+        self.keys = SemaphoreKeys(validate_prefix(prefix), self.name)
+        self._clock = clock
+        self._keys = self.keys.all
+        self._lease_ms = _ms(self.lease)
+        self._idle_ms = _ms(self.idle_ttl)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} limit={self.limit} lease={self.lease}s>"
+
+    # -- acquiring -----------------------------------------------------------------------------
+
+    def attempt(
+        self,
+        permit_id: str | None = None,
+        *,
+        join_line: bool = False,
+        waiter_lease: float | None = None,
+    ) -> Permit | Waiting:
+        """One try, one round trip: a :class:`Permit`, or where the caller stands in line.
+
+        With ``join_line`` the caller takes a place in the FIFO line (or keeps the one its
+        ``permit_id`` already has) for ``waiter_lease`` seconds. Calling again with the same
+        ``permit_id`` is idempotent: a holder gets its permit back with a renewed lease.
+        """
+        pid = uuid.uuid4().hex if permit_id is None else _validate_permit_id(permit_id)
+        wl = self.waiter_lease if waiter_lease is None else _positive_seconds(waiter_lease, "waiter_lease")
+        reply = _run(
+            ACQUIRE,
+            self.client,
+            self._keys,
+            [pid, self.limit, self._lease_ms, 1 if join_line else 0, _ms(wl), self._idle_ms, self.keys.wake_prefix],
+            self.name,
+        )
+        granted, value, expires_at, _now = (int(x) for x in reply)
+        if granted:
+            return Permit(pid, self.name, value, expires_at, self.lease, self.keys.prefix)
+        return Waiting(pid, self.name, value, expires_at)
+
+    def acquire(
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        *,
+        permit_id: str | None = None,
+    ) -> Permit | None:
+        """Take a permit. Returns ``None`` if none could be had.
+
+        Non-blocking (the default) tries once and does not join the line. Blocking waits in the
+        FIFO line, sleeping on a wake-up list that a release pushes to (bounded by the waiter
+        lease, so a crashed holder's expiry is noticed too), for at most ``timeout`` seconds
+        (``None``: no limit). A blocking caller that gives up leaves the line.
+        """
+        if not blocking:
+            if timeout is not None:
+                raise ConfigurationError("timeout only applies to blocking=True", name=self.name)
+            result = self.attempt(permit_id)
+            return result if isinstance(result, Permit) else None
+        if timeout is not None:
+            timeout = max(0.0, float(timeout))
+        pid = uuid.uuid4().hex if permit_id is None else _validate_permit_id(permit_id)
+        deadline = None if timeout is None else self._clock() + timeout
+        poll_cap = self._poll_cap()
+        while True:
+            result = self.attempt(pid, join_line=True)
+            if isinstance(result, Permit):
+                return result
+            remaining = math.inf if deadline is None else deadline - self._clock()
+            if remaining <= 0:
+                self.release(pid)
+                return None
+            self._wait_for_wake(pid, min(remaining, self.waiter_lease / 3, poll_cap))
+
+    @contextmanager
+    def hold(self, timeout: float | None = None, *, permit_id: str | None = None) -> Iterator[Permit]:
+        """Context manager: block for a permit (raise :class:`AcquireTimeout`), release on exit."""
+        permit = self.acquire(blocking=True, timeout=timeout, permit_id=permit_id)
+        if permit is None:
+            raise AcquireTimeout(
+                f"no permit of {self.name!r} (limit {self.limit}) within {timeout}s",
+                name=self.name,
+                permit_id=permit_id,
+            )
+        try:
+            yield permit
+        finally:
+            self.release(permit)
+
+    def _poll_cap(self) -> float:
+        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+        socket_timeout = kwargs.get("socket_timeout")
+        return math.inf if not socket_timeout else max(0.01, socket_timeout * 0.8)
+
+    def _wait_for_wake(self, permit_id: str, seconds: float) -> None:
+        try:
+            self.client.blpop([self.keys.wake(permit_id)], timeout=max(seconds, 0.001))
+        except redis.RedisError as exc:
+            raise BackendError(f"Redis failed while waiting for {self.name!r}: {exc}", name=self.name) from exc
+
+    # -- keeping and giving back ---------------------------------------------------------------
+
+    def release(self, permit: Permit | str) -> bool:
+        """Give a permit back (or leave the line). Idempotent and owner-checked.
+
+        With a :class:`Permit`, only that grant is released (its fencing token must match).
+        With a bare permit id, whatever grant or place in line the id has is given up; this is
+        how a worker's main process frees a task's permit after the child died.
+        Returns True if a permit or a place in line was given up.
+        """
+        if isinstance(permit, Permit):
+            pid, token = permit.id, str(permit.token)
+            self._check_same_semaphore(permit)
+        else:
+            pid, token = _validate_permit_id(permit), ""
+        reply = _run(RELEASE, self.client, self._keys, [pid, token, self._idle_ms, self.keys.wake_prefix], self.name)
+        return int(reply) > 0
+
+    def refresh(self, permit: Permit) -> Permit:
+        """Extend a held permit's lease; raise :class:`PermitLost` if it is no longer held."""
+        self._check_same_semaphore(permit)
+        result = refresh_permits(self.client, [permit], idle_ttl=self.idle_ttl)
+        if result.lost:
+            raise PermitLost(
+                f"permit {permit.id!r} of {self.name!r} was lost (lease expired or released)",
+                name=self.name,
+                permit_id=permit.id,
+            )
+        return result.refreshed[0]
+
+    def _check_same_semaphore(self, permit: Permit) -> None:
+        if permit.name != self.name or permit.prefix != self.keys.prefix:
+            raise ConfigurationError(
+                f"permit {permit.id!r} belongs to {permit.name!r}, not {self.name!r}", name=self.name
+            )
+
+    # -- looking -------------------------------------------------------------------------------
+
+    def state(self) -> SemaphoreState:
+        """A consistent snapshot (holders by lease expiry, waiters in line order), one round trip."""
+        return read_state(self.client, self.name, prefix=self.keys.prefix)
+
+    def holders(self) -> list[HolderInfo]:
+        """Live holders, soonest expiry first."""
+        return self.state().holders
+
+    def waiters(self) -> list[WaiterInfo]:
+        """Live waiters in the order they will be served."""
+        return self.state().waiters
+
+
+class Lock(FairSemaphore):
+    """A fair, fenced, leased mutual-exclusion lock: a :class:`FairSemaphore` with limit 1."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        name: str,
+        *,
+        lease: float = DEFAULT_LEASE,
+        waiter_lease: float | None = None,
+        idle_ttl: float = DEFAULT_IDLE_TTL,
+        prefix: str = DEFAULT_PREFIX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(
+            client, name, 1, lease=lease, waiter_lease=waiter_lease, idle_ttl=idle_ttl, prefix=prefix, clock=clock
+        )
+
+
+def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> SemaphoreState:
+    """Snapshot of the semaphore ``name`` without knowing its limit (the CLI uses this)."""
+    keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
+    now, limit, fence, flat_holders, flat_waiters = _run(STATE, client, keys.all, [], name)
+    now = int(now)
+    holders = [
+        HolderInfo(_text(flat_holders[i]), int(flat_holders[i + 1]), int(float(flat_holders[i + 2])), 0)
+        for i in range(0, len(flat_holders), 3)
+    ]
+    waiters = [
+        WaiterInfo(_text(flat_waiters[i]), int(float(flat_waiters[i + 1])), int(float(flat_waiters[i + 2])), 0)
+        for i in range(0, len(flat_waiters), 3)
+    ]
+    return SemaphoreState(
+        name=name,
+        limit=int(limit) if limit else None,
+        last_token=int(fence) if fence else None,
+        now_ms=now,
+        holders=[HolderInfo(h.permit_id, h.token, h.expires_at, h.expires_at - now) for h in holders],
+        waiters=[WaiterInfo(w.permit_id, w.ticket, w.expires_at, w.expires_at - now) for w in waiters],
+    )
+
+
+def refresh_permits(
+    client: RedisClient, permits: Iterable[Permit], *, idle_ttl: float = DEFAULT_IDLE_TTL
+) -> RefreshResult:
+    """Extend many permits' leases at once and report which were lost.
+
+    On a single server this is one script call for all permits. On Redis Cluster the permits are
+    grouped by hash slot (a script may only touch one slot) and the calls are sent per node.
+    A permit is never resurrected: one that expired or was released is reported lost.
+    """
+    batch = list(permits)
+    if not batch:
+        return RefreshResult()
+    idle_ms = _ms(_positive_seconds(idle_ttl, "idle_ttl"))
+    if isinstance(client, RedisCluster):
+        groups: dict[int, list[Permit]] = {}
+        for permit in batch:
+            groups.setdefault(client.keyslot(permit.keys.holders), []).append(permit)
+        parts = list(groups.values())
+    else:
+        parts = [batch]
+    refreshed: list[Permit] = []
+    lost: list[Permit] = []
+    for part in parts:
+        keys: list[str] = []
+        args: list[Any] = [idle_ms]
+        for permit in part:
+            k = permit.keys
+            keys += [k.holders, k.tokens, k.meta]
+            args += [permit.id, str(permit.token), _ms(permit.lease)]
+        reply = _run(REFRESH, client, keys, args, part[0].name)
+        for permit, expires_at in zip(part, reply, strict=True):
+            if int(expires_at) > 0:
+                refreshed.append(
+                    Permit(permit.id, permit.name, permit.token, int(expires_at), permit.lease, permit.prefix)
+                )
+            else:
+                lost.append(permit)
+    return RefreshResult(refreshed, lost)
