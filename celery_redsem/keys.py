@@ -29,7 +29,7 @@ def validate_name(name: object) -> str:
         )
     if "{" in name or "}" in name:
         raise ConfigurationError(
-            f"semaphore name {name!r} must not contain '{{' or '}}' (they are the cluster hash tag)",
+            f"semaphore name {name!r} must not contain '{{' or '}}' (the cluster hash tag)",
             name=name,
         )
     return name

@@ -19,7 +19,9 @@ __all__ = ["ACQUIRE", "REFRESH", "RELEASE", "STATE", "LuaScript"]
 
 
 def _read(name: str) -> str:
-    return resources.files("celery_redsem").joinpath("lua", name).read_text(encoding="utf-8")
+    return (
+        resources.files("celery_redsem").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
+    )
 
 
 @cache

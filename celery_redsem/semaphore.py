@@ -70,7 +70,9 @@ def _run(script: LuaScript, client: Any, keys: list[str], args: list[Any], name:
     try:
         return script(client, keys, args)
     except redis.RedisError as exc:
-        raise BackendError(f"Redis failed during {script.filename} for {name!r}: {exc}", name=name) from exc
+        raise BackendError(
+            f"Redis failed during {script.filename} for {name!r}: {exc}", name=name
+        ) from exc
 
 
 class FairSemaphore:
@@ -141,12 +143,24 @@ class FairSemaphore:
         ``permit_id`` is idempotent: a holder gets its permit back with a renewed lease.
         """
         pid = uuid.uuid4().hex if permit_id is None else _validate_permit_id(permit_id)
-        wl = self.waiter_lease if waiter_lease is None else _positive_seconds(waiter_lease, "waiter_lease")
+        wl = (
+            self.waiter_lease
+            if waiter_lease is None
+            else _positive_seconds(waiter_lease, "waiter_lease")
+        )
         reply = _run(
             ACQUIRE,
             self.client,
             self._keys,
-            [pid, self.limit, self._lease_ms, 1 if join_line else 0, _ms(wl), self._idle_ms, self.keys.wake_prefix],
+            [
+                pid,
+                self.limit,
+                self._lease_ms,
+                1 if join_line else 0,
+                _ms(wl),
+                self._idle_ms,
+                self.keys.wake_prefix,
+            ],
             self.name,
         )
         granted, value, expires_at, _now = (int(x) for x in reply)
@@ -189,7 +203,9 @@ class FairSemaphore:
             self._wait_for_wake(pid, min(remaining, self.waiter_lease / 3, poll_cap))
 
     @contextmanager
-    def hold(self, timeout: float | None = None, *, permit_id: str | None = None) -> Iterator[Permit]:
+    def hold(
+        self, timeout: float | None = None, *, permit_id: str | None = None
+    ) -> Iterator[Permit]:
         """Context manager: block for a permit (raise :class:`AcquireTimeout`), release on exit."""
         permit = self.acquire(blocking=True, timeout=timeout, permit_id=permit_id)
         if permit is None:
@@ -212,7 +228,9 @@ class FairSemaphore:
         try:
             self.client.blpop([self.keys.wake(permit_id)], timeout=max(seconds, 0.001))
         except redis.RedisError as exc:
-            raise BackendError(f"Redis failed while waiting for {self.name!r}: {exc}", name=self.name) from exc
+            raise BackendError(
+                f"Redis failed while waiting for {self.name!r}: {exc}", name=self.name
+            ) from exc
 
     # -- keeping and giving back ---------------------------------------------------------------
 
@@ -229,7 +247,13 @@ class FairSemaphore:
             self._check_same_semaphore(permit)
         else:
             pid, token = _validate_permit_id(permit), ""
-        reply = _run(RELEASE, self.client, self._keys, [pid, token, self._idle_ms, self.keys.wake_prefix], self.name)
+        reply = _run(
+            RELEASE,
+            self.client,
+            self._keys,
+            [pid, token, self._idle_ms, self.keys.wake_prefix],
+            self.name,
+        )
         return int(reply) > 0
 
     def refresh(self, permit: Permit) -> Permit:
@@ -247,13 +271,14 @@ class FairSemaphore:
     def _check_same_semaphore(self, permit: Permit) -> None:
         if permit.name != self.name or permit.prefix != self.keys.prefix:
             raise ConfigurationError(
-                f"permit {permit.id!r} belongs to {permit.name!r}, not {self.name!r}", name=self.name
+                f"permit {permit.id!r} belongs to {permit.name!r}, not {self.name!r}",
+                name=self.name,
             )
 
     # -- looking -------------------------------------------------------------------------------
 
     def state(self) -> SemaphoreState:
-        """A consistent snapshot (holders by lease expiry, waiters in line order), one round trip."""
+        """A consistent snapshot: holders by lease expiry, waiters in line order."""
         return read_state(self.client, self.name, prefix=self.keys.prefix)
 
     def holders(self) -> list[HolderInfo]:
@@ -280,7 +305,14 @@ class Lock(FairSemaphore):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
-            client, name, 1, lease=lease, waiter_lease=waiter_lease, idle_ttl=idle_ttl, prefix=prefix, clock=clock
+            client,
+            name,
+            1,
+            lease=lease,
+            waiter_lease=waiter_lease,
+            idle_ttl=idle_ttl,
+            prefix=prefix,
+            clock=clock,
         )
 
 
@@ -290,11 +322,18 @@ def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) 
     now, limit, fence, flat_holders, flat_waiters = _run(STATE, client, keys.all, [], name)
     now = int(now)
     holders = [
-        HolderInfo(_text(flat_holders[i]), int(flat_holders[i + 1]), int(float(flat_holders[i + 2])), 0)
+        HolderInfo(
+            _text(flat_holders[i]), int(flat_holders[i + 1]), int(float(flat_holders[i + 2])), 0
+        )
         for i in range(0, len(flat_holders), 3)
     ]
     waiters = [
-        WaiterInfo(_text(flat_waiters[i]), int(float(flat_waiters[i + 1])), int(float(flat_waiters[i + 2])), 0)
+        WaiterInfo(
+            _text(flat_waiters[i]),
+            int(float(flat_waiters[i + 1])),
+            int(float(flat_waiters[i + 2])),
+            0,
+        )
         for i in range(0, len(flat_waiters), 3)
     ]
     return SemaphoreState(
@@ -302,8 +341,12 @@ def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) 
         limit=int(limit) if limit else None,
         last_token=int(fence) if fence else None,
         now_ms=now,
-        holders=[HolderInfo(h.permit_id, h.token, h.expires_at, h.expires_at - now) for h in holders],
-        waiters=[WaiterInfo(w.permit_id, w.ticket, w.expires_at, w.expires_at - now) for w in waiters],
+        holders=[
+            HolderInfo(h.permit_id, h.token, h.expires_at, h.expires_at - now) for h in holders
+        ],
+        waiters=[
+            WaiterInfo(w.permit_id, w.ticket, w.expires_at, w.expires_at - now) for w in waiters
+        ],
     )
 
 
@@ -323,7 +366,8 @@ def refresh_permits(
     if isinstance(client, RedisCluster):
         groups: dict[int, list[Permit]] = {}
         for permit in batch:
-            groups.setdefault(client.keyslot(permit.keys.holders), []).append(permit)
+            slot = int(client.keyslot(permit.keys.holders))  # type: ignore[no-untyped-call]
+            groups.setdefault(slot, []).append(permit)
         parts = list(groups.values())
     else:
         parts = [batch]
@@ -340,7 +384,14 @@ def refresh_permits(
         for permit, expires_at in zip(part, reply, strict=True):
             if int(expires_at) > 0:
                 refreshed.append(
-                    Permit(permit.id, permit.name, permit.token, int(expires_at), permit.lease, permit.prefix)
+                    Permit(
+                        permit.id,
+                        permit.name,
+                        permit.token,
+                        int(expires_at),
+                        permit.lease,
+                        permit.prefix,
+                    )
                 )
             else:
                 lost.append(permit)

@@ -1,0 +1,370 @@
+"""The core semaphore on a real server: grants, FIFO line, leases, fencing, refresh, release."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from celery_redsem import (
+    AcquireTimeout,
+    ConfigurationError,
+    FairSemaphore,
+    Lock,
+    Permit,
+    Waiting,
+    refresh_permits,
+)
+from celery_redsem.keys import SemaphoreKeys
+from tests.servers import wait_until
+
+
+def make(client: redis.Redis, prefix: str, limit: int = 2, **kwargs: float) -> FairSemaphore:
+    return FairSemaphore(client, "sem", limit, prefix=prefix, **kwargs)  # type: ignore[arg-type]
+
+
+def test_grants_up_to_the_limit_then_refuses(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=3)
+    permits = [sem.acquire() for _ in range(3)]
+    assert all(isinstance(p, Permit) for p in permits)
+    assert sem.acquire() is None
+    assert len(sem.holders()) == 3
+    assert sem.release(permits[0]) is True
+    assert isinstance(sem.acquire(), Permit)
+
+
+def test_permit_carries_id_name_token_and_server_expiry(redis_client, prefix):
+    sem = make(redis_client, prefix, lease=5)
+    permit = sem.acquire(permit_id="task-1")
+    assert permit is not None
+    server_ms = int(redis_client.time()[0]) * 1000
+    assert (permit.id, permit.name, permit.prefix) == ("task-1", "sem", prefix)
+    assert server_ms + 3000 < permit.expires_at <= server_ms + 7000
+    assert permit.token > 0
+
+
+def test_lock_is_a_semaphore_of_one(redis_client, prefix):
+    lock = Lock(redis_client, "report:7", prefix=prefix, lease=5)
+    first = lock.acquire()
+    assert first is not None
+    assert lock.acquire() is None
+    lock.release(first)
+    second = lock.acquire()
+    assert second is not None
+    assert second.token > first.token
+
+
+def test_waiters_are_served_in_ticket_order(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    holder = sem.acquire()
+    assert holder is not None
+    places = [sem.attempt(f"w{i}", join_line=True) for i in range(3)]
+    assert [p.position for p in places if isinstance(p, Waiting)] == [1, 2, 3]
+    sem.release(holder)
+    # The free permit belongs to w0: later waiters and newcomers cannot take it.
+    assert isinstance(sem.attempt("w2", join_line=True), Waiting)
+    assert sem.acquire() is None
+    w0 = sem.attempt("w0", join_line=True)
+    assert isinstance(w0, Permit)
+    sem.release(w0)
+    assert isinstance(sem.attempt("w1", join_line=True), Permit)
+    assert [w.permit_id for w in sem.waiters()] == ["w2"]
+
+
+def test_a_waiter_keeps_its_place_when_it_asks_again(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    assert sem.acquire() is not None
+    sem.attempt("first", join_line=True)
+    sem.attempt("second", join_line=True)
+    again = sem.attempt("first", join_line=True)
+    assert isinstance(again, Waiting)
+    assert again.position == 1
+    assert [w.ticket for w in sem.waiters()] == [1, 2]
+
+
+def test_a_waiter_that_does_not_come_back_drops_out_of_line(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    holder = sem.acquire()
+    assert holder is not None
+    sem.attempt("gone", join_line=True, waiter_lease=0.2)
+    sem.attempt("stays", join_line=True, waiter_lease=30)
+    sem.release(holder)
+    wait_until(
+        lambda: isinstance(sem.attempt("stays", join_line=True, waiter_lease=30), Permit),
+        timeout=3,
+        what="the live waiter to move past the dead one",
+    )
+    assert [w.permit_id for w in sem.waiters()] == []
+
+
+def test_holder_asking_again_gets_the_same_permit(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    first = sem.acquire(permit_id="task-9")
+    again = sem.acquire(permit_id="task-9")
+    assert first is not None
+    assert again is not None
+    assert again.token == first.token
+    assert again.expires_at >= first.expires_at
+    assert len(sem.holders()) == 1
+
+
+def test_a_crashed_holder_frees_its_permit_when_the_lease_ends(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.2)
+    assert sem.acquire() is not None  # never released: the holder "crashed"
+    assert sem.acquire() is None
+    assert wait_until(sem.acquire, timeout=3, what="the expired lease to free the permit")
+
+
+def test_fencing_tokens_increase_also_after_keys_expired(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=2, lease=0.1, idle_ttl=0.1)
+    tokens = []
+    for _ in range(5):
+        permit = sem.acquire()
+        assert permit is not None
+        tokens.append(permit.token)
+        sem.release(permit)
+    wait_until(
+        lambda: not list(redis_client.scan_iter(match=f"{prefix}:*")),
+        timeout=3,
+        what="keys to expire",
+    )
+    after_idle = sem.acquire()
+    assert after_idle is not None
+    tokens.append(after_idle.token)
+    assert tokens == sorted(set(tokens))
+
+
+def server_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def test_refresh_extends_a_held_permit(redis_client, prefix):
+    sem = make(redis_client, prefix, lease=0.3)
+    first = sem.acquire()
+    assert first is not None
+    permit = first
+
+    def refreshed_past_the_first_lease() -> bool:
+        nonlocal permit
+        permit = sem.refresh(permit)
+        return server_ms(redis_client) > first.expires_at + 300
+
+    wait_until(refreshed_past_the_first_lease, timeout=5, interval=0.05, what="time to pass")
+    assert permit.expires_at > first.expires_at
+    assert [(h.permit_id, h.token) for h in sem.holders()] == [(first.id, first.token)]
+
+
+def test_refresh_never_resurrects_an_expired_permit(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.15)
+    permit = sem.acquire()
+    assert permit is not None
+    wait_until(lambda: not sem.holders(), timeout=3, what="the lease to expire")
+    result = refresh_permits(redis_client, [permit])
+    assert result.lost == [permit]
+    assert result.refreshed == []
+    assert sem.holders() == []
+    assert redis_client.zscore(sem.keys.holders, permit.id) is None
+
+
+def test_refresh_of_a_released_permit_reports_it_lost(redis_client, prefix):
+    sem = make(redis_client, prefix)
+    permit = sem.acquire()
+    assert permit is not None
+    sem.release(permit)
+    with pytest.raises(Exception, match="lost"):
+        sem.refresh(permit)
+    assert sem.holders() == []
+
+
+def test_batched_refresh_reports_each_lost_permit(redis_client, prefix):
+    a = FairSemaphore(redis_client, "a", 2, prefix=prefix, lease=5)
+    b = FairSemaphore(redis_client, "b", 2, prefix=prefix, lease=5)
+    kept_a, gone_a, kept_b = a.acquire(), a.acquire(), b.acquire()
+    assert kept_a is not None
+    assert gone_a is not None
+    assert kept_b is not None
+    a.release(gone_a)
+    result = refresh_permits(redis_client, [kept_a, gone_a, kept_b])
+    assert [p.id for p in result.refreshed] == [kept_a.id, kept_b.id]
+    assert [p.id for p in result.lost] == [gone_a.id]
+
+
+def test_release_is_idempotent(redis_client, prefix):
+    sem = make(redis_client, prefix)
+    permit = sem.acquire()
+    assert permit is not None
+    assert sem.release(permit) is True
+    assert sem.release(permit) is False
+    assert sem.release(permit.id) is False
+
+
+def test_release_of_an_old_grant_does_not_free_the_new_one(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.15)
+    old = sem.acquire(permit_id="task-1")
+    assert old is not None
+    wait_until(lambda: not sem.holders(), timeout=3, what="the first grant to expire")
+    new = sem.acquire(permit_id="task-1")  # the same task id, redelivered, gets a new grant
+    assert new is not None
+    assert new.token > old.token
+    assert sem.release(old) is False
+    assert [h.token for h in sem.holders()] == [new.token]
+
+
+def test_release_by_id_frees_whatever_the_id_holds(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    assert sem.acquire(permit_id="task-1") is not None
+    sem.attempt("task-2", join_line=True)
+    assert sem.release("task-1") is True
+    assert sem.release("task-2") is True  # leaves the line
+    assert sem.state().holders == []
+    assert sem.state().waiters == []
+
+
+def test_an_idle_semaphore_leaves_no_key_behind(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.2, idle_ttl=0.2)
+    held = sem.acquire()
+    assert held is not None
+    sem.attempt("waiter", join_line=True, waiter_lease=0.2)
+    crashed = FairSemaphore(redis_client, "other", 1, prefix=prefix, lease=0.2, idle_ttl=0.2)
+    assert crashed.acquire() is not None  # never released
+    assert list(redis_client.scan_iter(match=f"{prefix}:*"))
+    for key in redis_client.scan_iter(match=f"{prefix}:*"):
+        assert redis_client.pttl(key) > 0, key
+    wait_until(
+        lambda: not list(redis_client.scan_iter(match=f"{prefix}:*")),
+        timeout=5,
+        what="every key of the idle semaphores to expire",
+    )
+
+
+def test_all_keys_of_a_semaphore_share_one_cluster_slot():
+    keys = SemaphoreKeys("redsem", "market:42")
+    slots = {key_slot(k.encode()) for k in [*keys.all, keys.wake("some-task-id")]}
+    assert len(slots) == 1
+
+
+def test_script_flush_does_not_break_callers(redis_client, prefix):
+    sem = make(redis_client, prefix)
+    permit = sem.acquire()
+    assert permit is not None
+    redis_client.script_flush()
+    permit = sem.refresh(permit)
+    assert sem.release(permit) is True
+    assert sem.acquire() is not None
+
+
+class CountingConnection(redis.Connection):
+    """A real connection that counts the requests it writes to the socket."""
+
+    sent = 0
+
+    def send_packed_command(self, command, check_health=True):  # type: ignore[no-untyped-def]
+        type(self).sent += 1
+        super().send_packed_command(command, check_health)
+
+
+def test_each_operation_is_one_round_trip(redis_url, prefix):
+    client = redis.Redis.from_url(redis_url, connection_class=CountingConnection)
+    client.ping()
+    sem = make(client, prefix, limit=1)
+    ops = (
+        sem.acquire,
+        lambda: sem.attempt("w", join_line=True),
+        sem.state,
+        lambda: sem.release("w"),
+    )
+    for op in ops:  # the first call of a script on a fresh server also loads it
+        op()
+    for op in ops:
+        before = CountingConnection.sent
+        op()
+        assert CountingConnection.sent - before == 1
+    permit = sem.state().holders[0]
+    held = Permit(permit.permit_id, "sem", permit.token, permit.expires_at, 10.0, prefix)
+    before = CountingConnection.sent
+    sem.refresh(held)
+    sem.release(held)
+    assert CountingConnection.sent - before == 2
+
+
+def test_blocking_acquire_is_woken_by_a_release(redis_client, prefix):
+    # The waiter lease is long, so only the wake-up (not polling) can hand over quickly.
+    sem = make(redis_client, prefix, limit=1, lease=30, waiter_lease=30)
+    holder = sem.acquire()
+    assert holder is not None
+    got: list[tuple[Permit | None, float]] = []
+    waiter = threading.Thread(
+        target=lambda: got.append((sem.acquire(blocking=True, timeout=20), 0))
+    )
+    waiter.start()
+    wait_until(sem.waiters, timeout=3, what="the waiter to join the line")
+    released_at = time.monotonic()
+    sem.release(holder)
+    waiter.join(timeout=5)
+    assert got
+    assert got[0][0] is not None
+    assert time.monotonic() - released_at < 2
+
+
+def test_blocking_acquire_times_out_and_leaves_the_line(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    assert sem.acquire() is not None
+    started = time.monotonic()
+    assert sem.acquire(blocking=True, timeout=0.3) is None
+    assert 0.25 < time.monotonic() - started < 3
+    assert sem.waiters() == []
+
+
+def test_hold_releases_on_exit_and_raises_on_timeout(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    with sem.hold(timeout=1) as permit:
+        assert [h.permit_id for h in sem.holders()] == [permit.id]
+        with pytest.raises(AcquireTimeout, match="sem"), sem.hold(timeout=0.1):
+            pass
+    assert sem.holders() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"limit": 0}, "limit must be >= 1"),
+        ({"limit": -3}, "limit must be >= 1"),
+        ({"limit": "5"}, "limit must be an int"),
+        ({"limit": 2.5}, "limit must be an int"),
+        ({"limit": True}, "limit must be an int"),
+        ({"lease": 0}, "lease must be"),
+        ({"lease": -1}, "lease must be"),
+        ({"lease": float("nan")}, "lease must be"),
+        ({"lease": "10"}, "lease must be"),
+        ({"waiter_lease": 0}, "waiter_lease must be"),
+        ({"name": ""}, "must not be empty"),
+        ({"name": 42}, "must be a str"),
+        ({"name": "a{b}"}, "hash tag"),
+        ({"name": "x" * 600}, "maximum is 512"),
+        ({"prefix": ""}, "prefix"),
+        ({"prefix": "a*"}, "prefix"),
+    ],
+)
+def test_bad_arguments_get_a_clear_error(redis_client, kwargs, message):
+    args = {"name": "sem", "limit": 2, **kwargs}
+    name, limit = args.pop("name"), args.pop("limit")
+    with pytest.raises(ConfigurationError, match=message):
+        FairSemaphore(redis_client, name, limit, **args)
+
+
+def test_a_client_that_is_not_redis_is_refused():
+    with pytest.raises(ConfigurationError, match=r"redis\.Redis"):
+        FairSemaphore("redis://localhost", "sem", 2)  # type: ignore[arg-type]
+
+
+def test_unreachable_redis_is_a_backend_error():
+    client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    sem = FairSemaphore(client, "sem", 2)
+    with pytest.raises(Exception, match=r"Redis failed during acquire\.lua") as info:
+        sem.acquire()
+    assert type(info.value).__name__ == "BackendError"
+    assert isinstance(info.value.__cause__, redis.ConnectionError)
