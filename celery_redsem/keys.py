@@ -58,13 +58,9 @@ class SemaphoreKeys:
 
     @property
     def holders(self) -> str:
-        """Sorted set: permit id -> lease expiry (server ms)."""
+        """Hash: permit id -> ``<token>:<lease expiry ms>``, plus the semaphore's counters
+        ``:fence``, ``:limit``, ``:ticket``, ``:queued``, ``:next`` and ``:horizon``."""
         return f"{self.base}:holders"
-
-    @property
-    def tokens(self) -> str:
-        """Hash: permit id -> fencing token of the current grant."""
-        return f"{self.base}:tokens"
 
     @property
     def waiters(self) -> str:
@@ -77,11 +73,6 @@ class SemaphoreKeys:
         return f"{self.base}:wexp"
 
     @property
-    def meta(self) -> str:
-        """Hash: ``limit``, last fencing token ``fence`` and ticket counter ``ticket``."""
-        return f"{self.base}:meta"
-
-    @property
     def wake_prefix(self) -> str:
         """Prefix of the per-waiter wake-up lists (``<wake_prefix><permit id>``)."""
         return f"{self.base}:wake:"
@@ -92,13 +83,16 @@ class SemaphoreKeys:
 
     @property
     def all(self) -> list[str]:
-        """The five keys every script receives, in the order the scripts expect them."""
-        return [self.holders, self.tokens, self.waiters, self.waiter_expiry, self.meta]
+        """The three keys the scripts receive, in the order they expect them."""
+        return [self.holders, self.waiters, self.waiter_expiry]
 
     @classmethod
     def scan_pattern(cls, prefix: str, name_pattern: str = "*") -> str:
-        """A SCAN pattern matching the ``meta`` key of every semaphore whose name matches."""
-        return f"{prefix}:{{{name_pattern}}}:meta"
+        """A SCAN pattern matching the ``holders`` key of every semaphore whose name matches.
+
+        Every semaphore that holds or waits, or did within its idle TTL, has this key.
+        """
+        return f"{prefix}:{{{name_pattern}}}:holders"
 
     @classmethod
     def name_from_key(cls, prefix: str, key: str) -> str | None:

@@ -167,7 +167,7 @@ def test_refresh_never_resurrects_an_expired_permit(redis_client, prefix):
     assert result.lost == [permit]
     assert result.refreshed == []
     assert sem.holders() == []
-    assert redis_client.zscore(sem.keys.holders, permit.id) is None
+    assert redis_client.hget(sem.keys.holders, permit.id) is None
 
 
 def test_refresh_of_a_released_permit_reports_it_lost(redis_client, prefix):

@@ -1,14 +1,24 @@
 -- Shared helpers: prepended to every script by scripts.py, never run alone.
 --
--- Key layout of one semaphore (all keys share the hash tag {name}):
---   holders  ZSET  permit id -> lease expiry, server ms
---   tokens   HASH  permit id -> fencing token of its grant
---   waiters  ZSET  permit id -> ticket (FIFO order)
---   wexp     ZSET  permit id -> waiter lease expiry, server ms
---   meta     HASH  limit, fence (last token), ticket (last ticket)
+-- Keys of one semaphore (all share the hash tag {name}, so one cluster slot):
+--   KEYS[1] holders  HASH  permit id -> '<fencing token>:<lease expiry ms>', and six counters:
+--                          ':fence'   last fencing token granted
+--                          ':limit'   limit the last caller asked for (for inspection and wake-ups)
+--                          ':ticket'  last ticket handed to a waiter
+--                          ':queued'  waiters in line (healed from the zset when in doubt)
+--                          ':next'    no holder's lease ends before this (ms); 0 = unknown
+--                          ':horizon' when the hash expires (ms)
+--   KEYS[2] waiters  ZSET  permit id -> ticket (FIFO order)
+--   KEYS[3] wexp     ZSET  permit id -> waiter lease expiry (ms)
+--   <prefix>:{name}:wake:<permit id>  LIST  wake-up signal for a blocked waiter
 -- Times come from the server's clock only (TIME); client clocks never matter.
+-- Every key expires after the longest lease in it plus the idle TTL: idle semaphores vanish.
+-- The hot paths run on every task start and end, so they are kept to a few calls: expired
+-- holders are swept only when the semaphore is full and ':next' says one may have expired,
+-- and the TTL is pushed only when ':horizon' comes within half an idle TTL.
 
-local PURGE_BATCH = 1000
+local COUNTERS = 6
+local SWEEP_BATCH = 1000
 
 -- Server time as (milliseconds, microseconds).
 local function server_now()
@@ -21,58 +31,75 @@ local function fmt(n)
   return string.format('%.0f', n)
 end
 
--- Drop holders and waiters whose lease ended (score <= now), in bounded batches.
--- Returns how many holders were dropped.
-local function purge(holders, tokens, waiters, wexp, now)
-  local gone = redis.call('ZRANGEBYSCORE', holders, '-inf', now, 'LIMIT', 0, PURGE_BATCH)
-  if #gone > 0 then
-    redis.call('ZREM', holders, unpack(gone))
-    redis.call('HDEL', tokens, unpack(gone))
+-- A holder entry '<token>:<expiry>' as two numbers.
+local function parse(entry)
+  local token, expiry = string.match(entry, '^(%d+):(%d+)$')
+  return tonumber(token), tonumber(expiry)
+end
+
+local function token_of(entry)
+  return string.match(entry, '^(%d+):')
+end
+
+-- The wake-up list of a waiter; `holders` is '<prefix>:{name}:holders'.
+local function wake_key(holders, id)
+  return string.sub(holders, 1, #holders - 7) .. 'wake:' .. id
+end
+
+-- Remove holders whose lease ended. Returns (live holders, earliest live expiry or 0).
+local function sweep_holders(holders, now)
+  local all = redis.call('HGETALL', holders)
+  local expired, held, earliest = {}, 0, 0
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 1) ~= ':' then
+      local _, expiry = parse(all[i + 1])
+      if expiry <= now then
+        expired[#expired + 1] = all[i]
+      else
+        held = held + 1
+        if earliest == 0 or expiry < earliest then
+          earliest = expiry
+        end
+      end
+    end
   end
-  local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, PURGE_BATCH)
+  for i = 1, #expired, SWEEP_BATCH do
+    redis.call('HDEL', holders, unpack(expired, i, math.min(i + SWEEP_BATCH - 1, #expired)))
+  end
+  return held, earliest
+end
+
+-- Remove waiters whose waiter lease ended. Returns the number still in line.
+local function sweep_waiters(waiters, wexp, now)
+  local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
   if #left > 0 then
     redis.call('ZREM', wexp, unpack(left))
     redis.call('ZREM', waiters, unpack(left))
   end
-  return #gone
+  return redis.call('ZCARD', waiters)
 end
 
--- Live holders: lease expiry strictly after now.
-local function live_holders(holders, now)
-  return redis.call('ZCOUNT', holders, '(' .. fmt(now), '+inf')
-end
-
--- Tell the first `free` waiters that a permit may be free (they BLPOP their own list).
-local function wake(waiters, wexp, wake_prefix, free, now)
+-- Push a wake-up to the first `free` waiters so blocked acquirers retry at once.
+local function wake(holders, waiters, wexp, free, now)
   if free <= 0 then
     return
   end
-  local first = redis.call('ZRANGE', waiters, 0, free - 1)
-  for _, id in ipairs(first) do
+  for _, id in ipairs(redis.call('ZRANGE', waiters, 0, free - 1)) do
     local until_ms = tonumber(redis.call('ZSCORE', wexp, id) or now)
     if until_ms > now then
-      local key = wake_prefix .. id
+      local key = wake_key(holders, id)
       redis.call('LPUSH', key, '1')
       redis.call('LTRIM', key, 0, 0)
-      redis.call('PEXPIRE', key, fmt(until_ms - now))
+      redis.call('PEXPIRE', key, until_ms - now)
     end
   end
 end
 
--- Give every key a TTL that outlives the longest lease in it by idle_ttl, so an idle
--- semaphore leaves nothing behind.
-local function keep_alive(holders, tokens, waiters, wexp, meta, now, idle_ttl)
-  local h = redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')
-  local w = redis.call('ZRANGE', wexp, -1, -1, 'WITHSCORES')
-  local hx = tonumber(h[2] or 0)
-  local wx = tonumber(w[2] or 0)
-  if hx > 0 then
-    redis.call('PEXPIREAT', holders, fmt(hx + idle_ttl))
-    redis.call('PEXPIREAT', tokens, fmt(hx + idle_ttl))
+-- Let a zset live until `at` (ms); `fresh`: this script just created it (no TTL yet).
+local function extend(key, at, fresh)
+  if fresh then
+    redis.call('PEXPIREAT', key, at)
+  else
+    redis.call('PEXPIREAT', key, at, 'GT')
   end
-  if wx > 0 then
-    redis.call('PEXPIREAT', waiters, fmt(wx + idle_ttl))
-    redis.call('PEXPIREAT', wexp, fmt(wx + idle_ttl))
-  end
-  redis.call('PEXPIREAT', meta, fmt(math.max(hx, wx, now) + idle_ttl))
 end

@@ -1,75 +1,113 @@
 -- acquire: grant a permit, or take / keep a place in the FIFO waiting line.
 --
--- KEYS[1] holders  KEYS[2] tokens  KEYS[3] waiters  KEYS[4] wexp  KEYS[5] meta
+-- KEYS[1] holders  KEYS[2] waiters  KEYS[3] wexp
 -- ARGV[1] permit id
 -- ARGV[2] limit (>= 1)
 -- ARGV[3] lease, ms
 -- ARGV[4] '1' to join (or stay in) the waiting line when no permit is free, '0' to only try
 -- ARGV[5] waiter lease, ms: how long a place in line is kept without the waiter coming back
 -- ARGV[6] idle ttl, ms: how long keys outlive the last lease in them
--- ARGV[7] wake key prefix
 --
--- Returns {1, token, lease expiry ms, now ms}     granted (or already held: same token, lease renewed)
---         {0, position, waiter expiry ms, now ms} not granted; position is 1-based, 0 if not in line
+-- Returns {1, token, lease expiry ms}     granted (or already held: same token, lease renewed)
+--         {0, position, waiter expiry ms} not granted; position is 1-based, 0 if not in line
 --
 -- Idempotent per permit id: a holder gets its permit back, a waiter keeps its ticket.
-local holders, tokens, waiters, wexp, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+-- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
+local holders, waiters, wexp = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]
 local limit = tonumber(ARGV[2])
 local lease = tonumber(ARGV[3])
-local join = ARGV[4] == '1'
-local waiter_lease = tonumber(ARGV[5])
 local idle_ttl = tonumber(ARGV[6])
-local wake_prefix = ARGV[7]
+local half_idle = math.floor(idle_ttl / 2)
 
 local now, now_us = server_now()
-local freed = purge(holders, tokens, waiters, wexp, now)
-redis.call('HSET', meta, 'limit', limit)
+local mine, fence, queued, next_expiry, horizon, ticket, stored_limit = unpack(redis.call(
+  'HMGET', holders, id, ':fence', ':queued', ':next', ':horizon', ':ticket', ':limit'))
+local fresh = not fence
+fence, queued = tonumber(fence or 0), tonumber(queued or 0)
+next_expiry, horizon, ticket = tonumber(next_expiry or 0), tonumber(horizon or 0), tonumber(ticket or 0)
+local seen = {queued, next_expiry, ticket}
+local expires = now + lease
 
-local held = redis.call('ZSCORE', holders, id)
-if held then
-  local expires = now + lease
-  redis.call('ZADD', holders, fmt(expires), id)
-  keep_alive(holders, tokens, waiters, wexp, meta, now, idle_ttl)
-  return {1, tonumber(redis.call('HGET', tokens, id)), expires, now}
+-- Write the counters (all six when any but the fence changed or the hash is new), push the
+-- TTL when it comes within half an idle TTL of `keep_until`. Numbers go to the server as they
+-- are: it renders integers exactly, and formatting in Lua is costly for a script this short.
+local function save(field, value, keep_until)
+  local new_horizon = horizon
+  if fresh or horizon < keep_until + half_idle then
+    new_horizon = keep_until + idle_ttl
+  end
+  if new_horizon ~= horizon or tonumber(stored_limit) ~= limit or queued ~= seen[1]
+      or next_expiry ~= seen[2] or ticket ~= seen[3] then
+    redis.call('HSET', holders, ':fence', fence, ':limit', limit, ':ticket', ticket,
+      ':queued', queued, ':next', next_expiry, ':horizon', new_horizon, field, value)
+  else
+    redis.call('HSET', holders, ':fence', fence, field, value)
+  end
+  if new_horizon ~= horizon then
+    redis.call('PEXPIREAT', holders, new_horizon)
+  end
 end
 
-local live = live_holders(holders, now)
-local rank = redis.call('ZRANK', waiters, id)
-local ahead = rank or redis.call('ZCARD', waiters)
+if mine then
+  local token, expiry = parse(mine)
+  if expiry > now then
+    save(id, fmt(token) .. ':' .. expires, expires)
+    return {1, token, expires}
+  end
+  redis.call('HDEL', holders, id)
+end
 
-if live + ahead < limit then
-  local token = math.max(tonumber(redis.call('HGET', meta, 'fence') or 0) + 1, now_us)
-  local expires = now + lease
-  redis.call('HSET', meta, 'fence', fmt(token))
-  redis.call('ZADD', holders, fmt(expires), id)
-  redis.call('HSET', tokens, id, fmt(token))
+local held = fresh and 0 or redis.call('HLEN', holders) - COUNTERS
+local rank = queued > 0 and redis.call('ZRANK', waiters, id) or nil
+if held + (rank or queued) >= limit then
+  local freed = false
+  if next_expiry == 0 or next_expiry <= now then
+    local before = held
+    held, next_expiry = sweep_holders(holders, now)
+    freed = held < before
+  end
+  if queued > 0 then
+    local before = queued
+    queued = sweep_waiters(waiters, wexp, now)
+    rank = queued > 0 and redis.call('ZRANK', waiters, id) or nil
+    freed = freed or queued < before
+  end
+  if freed then
+    wake(holders, waiters, wexp, limit - held, now)
+  end
+end
+
+if held + (rank or queued) < limit then
+  fence = math.max(fence + 1, now_us)
   if rank then
     redis.call('ZREM', waiters, id)
     redis.call('ZREM', wexp, id)
+    redis.call('DEL', wake_key(holders, id))
+    queued = queued - 1
   end
-  redis.call('DEL', wake_prefix .. id)
-  if freed > 0 then
-    wake(waiters, wexp, wake_prefix, limit - live - 1, now)
+  if next_expiry == 0 or expires < next_expiry then
+    next_expiry = expires
   end
-  keep_alive(holders, tokens, waiters, wexp, meta, now, idle_ttl)
-  return {1, token, expires, now}
+  save(id, fmt(fence) .. ':' .. expires, expires)
+  return {1, fence, expires}
 end
 
-local position = 0
-local waiter_until = 0
-if join then
-  if not rank then
-    local ticket = redis.call('HINCRBY', meta, 'ticket', 1)
-    redis.call('ZADD', waiters, ticket, id)
-    rank = ahead
+if ARGV[4] ~= '1' then
+  if not fresh then
+    save(':limit', limit, now)
   end
-  waiter_until = now + waiter_lease
-  redis.call('ZADD', wexp, fmt(waiter_until), id)
-  position = rank + 1
+  return {0, 0, 0}
 end
-if freed > 0 then
-  wake(waiters, wexp, wake_prefix, limit - live, now)
+if not rank then
+  rank = queued
+  ticket = ticket + 1
+  queued = queued + 1
+  redis.call('ZADD', waiters, ticket, id)
 end
-keep_alive(holders, tokens, waiters, wexp, meta, now, idle_ttl)
-return {0, position, waiter_until, now}
+local waiter_until = now + tonumber(ARGV[5])
+redis.call('ZADD', wexp, waiter_until, id)
+extend(waiters, waiter_until + idle_ttl, queued == 1 and rank == 0)
+extend(wexp, waiter_until + idle_ttl, queued == 1 and rank == 0)
+save(':limit', limit, waiter_until + half_idle)
+return {0, rank + 1, waiter_until}

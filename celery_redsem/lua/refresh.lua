@@ -1,35 +1,34 @@
 -- refresh: extend the leases of many permits in one call. Never resurrects a permit.
 --
--- KEYS: three per permit, in order: holders, tokens, meta of the permit's semaphore
+-- KEYS[i]: the holders hash of permit i's semaphore (keys may repeat)
 -- ARGV[1] idle ttl, ms
--- ARGV[1 + 3i - 2 .. 1 + 3i] for permit i: permit id, fencing token, lease ms
+-- ARGV[3i - 1], ARGV[3i], ARGV[3i + 1] for permit i: permit id, fencing token, lease ms
 --
 -- Returns one integer per permit: the new lease expiry (server ms) if the permit was still held
 -- by that grant and not yet expired, else 0 (lost: expired, released, or re-granted).
 local idle_ttl = tonumber(ARGV[1])
 local now = server_now()
 local out = {}
-for i = 1, #KEYS / 3 do
-  local holders, tokens, meta = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+for i = 1, #KEYS do
+  local holders = KEYS[i]
   local id, token, lease = ARGV[3 * i - 1], ARGV[3 * i], tonumber(ARGV[3 * i + 1])
-  local score = redis.call('ZSCORE', holders, id)
-  local current = redis.call('HGET', tokens, id)
-  if score and tonumber(score) > now and current == token then
-    local expires = now + lease
-    redis.call('ZADD', holders, 'XX', fmt(expires), id)
-    local longest = tonumber(redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')[2])
-    redis.call('PEXPIREAT', holders, fmt(longest + idle_ttl))
-    redis.call('PEXPIREAT', tokens, fmt(longest + idle_ttl))
-    if redis.call('PTTL', meta) < expires - now + idle_ttl then
-      redis.call('PEXPIRE', meta, fmt(expires - now + idle_ttl))
+  local mine, horizon = unpack(redis.call('HMGET', holders, id, ':horizon'))
+  out[i] = 0
+  if mine and token_of(mine) == token then
+    local _, expiry = parse(mine)
+    if expiry > now then
+      local expires = now + lease
+      horizon = tonumber(horizon or 0)
+      if horizon < expires + math.floor(idle_ttl / 2) then
+        redis.call('HSET', holders, id, token .. ':' .. expires, ':horizon', expires + idle_ttl)
+        redis.call('PEXPIREAT', holders, expires + idle_ttl)
+      else
+        redis.call('HSET', holders, id, token .. ':' .. expires)
+      end
+      out[i] = expires
+    else
+      redis.call('HDEL', holders, id)
     end
-    out[i] = expires
-  else
-    if score and tonumber(score) <= now and current == token then
-      redis.call('ZREM', holders, id)
-      redis.call('HDEL', tokens, id)
-    end
-    out[i] = 0
   end
 end
 return out

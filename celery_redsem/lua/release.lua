@@ -1,39 +1,35 @@
 -- release: give a permit back, or leave the waiting line. Idempotent and owner-checked.
 --
--- KEYS[1] holders  KEYS[2] tokens  KEYS[3] waiters  KEYS[4] wexp  KEYS[5] meta
+-- KEYS[1] holders  KEYS[2] waiters  KEYS[3] wexp
 -- ARGV[1] permit id
 -- ARGV[2] fencing token of the grant being released, or '' to release whatever grant the id holds
 --         (used by the worker's main process, which knows only the task id)
--- ARGV[3] idle ttl, ms
--- ARGV[4] wake key prefix
 --
 -- Returns 1 if a held permit was released, 2 if a place in line was given up, 0 if the id had
 -- neither (already released, expired, or a different grant with the same id).
-local holders, tokens, waiters, wexp, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+-- With nobody waiting this is two calls: HMGET, HDEL. The TTL is left alone: it may outlive the
+-- remaining leases a little, never fall short of them.
+local holders, waiters, wexp = KEYS[1], KEYS[2], KEYS[3]
 local id, token = ARGV[1], ARGV[2]
-local idle_ttl = tonumber(ARGV[3])
-local wake_prefix = ARGV[4]
 
-local now = server_now()
-purge(holders, tokens, waiters, wexp, now)
-
+local mine, queued = unpack(redis.call('HMGET', holders, id, ':queued'))
+queued = tonumber(queued or 0)
 local result = 0
-if redis.call('ZSCORE', holders, id) then
-  if token == '' or redis.call('HGET', tokens, id) == token then
-    redis.call('ZREM', holders, id)
-    redis.call('HDEL', tokens, id)
-    result = 1
-  end
-elseif redis.call('ZSCORE', waiters, id) then
-  redis.call('ZREM', waiters, id)
+if mine and (token == '' or token_of(mine) == token) then
+  redis.call('HDEL', holders, id)
+  result = 1
+elseif not mine and queued > 0 and redis.call('ZREM', waiters, id) == 1 then
   redis.call('ZREM', wexp, id)
-  redis.call('DEL', wake_prefix .. id)
+  redis.call('DEL', wake_key(holders, id))
+  redis.call('HINCRBY', holders, ':queued', -1)
   result = 2
 end
 
-if result > 0 then
-  local limit = tonumber(redis.call('HGET', meta, 'limit') or 1)
-  wake(waiters, wexp, wake_prefix, limit - live_holders(holders, now), now)
-  keep_alive(holders, tokens, waiters, wexp, meta, now, idle_ttl)
+if result > 0 and queued > 0 then
+  local now = server_now()
+  local held = sweep_holders(holders, now)
+  local left = sweep_waiters(waiters, wexp, now)
+  redis.call('HSET', holders, ':queued', left)
+  wake(holders, waiters, wexp, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
 end
 return result

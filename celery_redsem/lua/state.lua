@@ -1,17 +1,22 @@
 -- state: a consistent snapshot of one semaphore, for inspection. Read-only.
 --
--- KEYS[1] holders  KEYS[2] tokens  KEYS[3] waiters  KEYS[4] wexp  KEYS[5] meta
+-- KEYS[1] holders  KEYS[2] waiters  KEYS[3] wexp
 -- Returns {now ms, limit or false, last token or false,
---          {id, token, lease expiry ms, ...} for live holders by expiry,
+--          {id, token, lease expiry ms, ...} for live holders,
 --          {id, ticket, waiter expiry ms, ...} for live waiters in line order}
-local holders, tokens, waiters, wexp, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local holders, waiters, wexp = KEYS[1], KEYS[2], KEYS[3]
 local now = server_now()
 local h = {}
-local live = redis.call('ZRANGEBYSCORE', holders, '(' .. fmt(now), '+inf', 'WITHSCORES')
-for i = 1, #live, 2 do
-  h[#h + 1] = live[i]
-  h[#h + 1] = redis.call('HGET', tokens, live[i]) or '0'
-  h[#h + 1] = live[i + 1]
+local all = redis.call('HGETALL', holders)
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 1) ~= ':' then
+    local token, expiry = parse(all[i + 1])
+    if expiry > now then
+      h[#h + 1] = all[i]
+      h[#h + 1] = fmt(token)
+      h[#h + 1] = fmt(expiry)
+    end
+  end
 end
 local w = {}
 local line = redis.call('ZRANGE', waiters, 0, -1, 'WITHSCORES')
@@ -23,4 +28,5 @@ for i = 1, #line, 2 do
     w[#w + 1] = until_ms
   end
 end
-return {now, redis.call('HGET', meta, 'limit'), redis.call('HGET', meta, 'fence'), h, w}
+local limit, fence = unpack(redis.call('HMGET', holders, ':limit', ':fence'))
+return {now, limit, fence, h, w}
