@@ -78,3 +78,6 @@ def test_scripts_match_the_model(redis_client, prefix, limit, ops):
         assert sorted(h.permit_id for h in state.holders) == sorted(model.holders)
         assert [w.permit_id for w in state.waiters] == model.line
         assert len(state.holders) <= limit
+        counters = redis_client.hgetall(sem.keys.holders)
+        assert int(counters[b":queued"]) == len(model.line)
+        assert len(counters) == 6 + len(model.holders)

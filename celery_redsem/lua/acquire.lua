@@ -29,6 +29,12 @@ next_expiry, horizon, ticket = tonumber(next_expiry or 0), tonumber(horizon or 0
 local seen = {queued, next_expiry, ticket}
 local expires = now + lease
 
+-- Did anything but the fence change since the HMGET (or does the TTL need a push)?
+local function changed(new_horizon)
+  return new_horizon ~= horizon or tonumber(stored_limit) ~= limit or queued ~= seen[1]
+    or next_expiry ~= seen[2] or ticket ~= seen[3]
+end
+
 -- Write the counters (all six when any but the fence changed or the hash is new), push the
 -- TTL when it comes within half an idle TTL of `keep_until`. Numbers go to the server as they
 -- are: it renders integers exactly, and formatting in Lua is costly for a script this short.
@@ -37,8 +43,7 @@ local function save(field, value, keep_until)
   if fresh or horizon < keep_until + half_idle then
     new_horizon = keep_until + idle_ttl
   end
-  if new_horizon ~= horizon or tonumber(stored_limit) ~= limit or queued ~= seen[1]
-      or next_expiry ~= seen[2] or ticket ~= seen[3] then
+  if changed(new_horizon) then
     redis.call('HSET', holders, ':fence', fence, ':limit', limit, ':ticket', ticket,
       ':queued', queued, ':next', next_expiry, ':horizon', new_horizon, field, value)
   else
@@ -94,7 +99,7 @@ if held + (rank or queued) < limit then
 end
 
 if ARGV[4] ~= '1' then
-  if not fresh then
+  if changed(horizon) then
     save(':limit', limit, now)
   end
   return {0, 0, 0}

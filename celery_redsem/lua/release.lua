@@ -27,9 +27,9 @@ end
 
 if result > 0 and queued > 0 then
   local now = server_now()
-  local held = sweep_holders(holders, now)
+  local held, earliest = sweep_holders(holders, now)
   local left = sweep_waiters(waiters, wexp, now)
-  redis.call('HSET', holders, ':queued', left)
+  redis.call('HSET', holders, ':queued', left, ':next', earliest)
   wake(holders, waiters, wexp, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
 end
 return result
