@@ -6,6 +6,7 @@ Every exception derives from :class:`RedsemError`, so one ``except RedsemError``
     ├── ConfigurationError      bad argument or setting (also a ValueError)
     │   └── KeyFunctionError    a task's key function raised or returned garbage
     ├── BackendError            Redis failed or could not be reached
+    │   └── NotEnoughReplicas   min_replicas asked for more replicas than the primary has
     ├── AcquireTimeout          no permit within the allowed wait
     └── PermitLost              a held permit expired or was taken away
 
@@ -20,6 +21,7 @@ __all__ = [
     "BackendError",
     "ConfigurationError",
     "KeyFunctionError",
+    "NotEnoughReplicas",
     "PermitLost",
     "RedsemError",
 ]
@@ -44,6 +46,15 @@ class KeyFunctionError(ConfigurationError):
 
 class BackendError(RedsemError):
     """Redis raised an error or could not be reached; the original is the ``__cause__``."""
+
+
+class NotEnoughReplicas(BackendError):
+    """A grant needed ``min_replicas`` acknowledgements but the primary has fewer replicas.
+
+    The grant was released, so nothing is held. A :class:`BackendError` because it is a state
+    of the deployment (no replica configured, or replicas down or resyncing during a
+    failover) rather than of the call: under Celery the task is retried, not dropped.
+    """
 
 
 class AcquireTimeout(RedsemError):

@@ -10,18 +10,20 @@ Usable without Celery::
 from __future__ import annotations
 
 import math
+import os
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
-from .errors import AcquireTimeout, BackendError, ConfigurationError, PermitLost
+from .errors import AcquireTimeout, BackendError, ConfigurationError, NotEnoughReplicas, PermitLost
 from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
 from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
+from .replication import connected_replicas, forget_primary, run_acknowledged
 from .scripts import ACQUIRE, REFRESH, RELEASE, STATE, LuaScript
 
 __all__ = ["FairSemaphore", "Lock", "RedisClient", "refresh_permits"]
@@ -29,6 +31,7 @@ __all__ = ["FairSemaphore", "Lock", "RedisClient", "refresh_permits"]
 RedisClient = redis.Redis | RedisCluster
 DEFAULT_LEASE = 10.0
 DEFAULT_IDLE_TTL = 60.0
+DEFAULT_REPLICA_TIMEOUT = 0.5
 MAX_PERMIT_ID_LENGTH = 256
 
 
@@ -54,9 +57,16 @@ def _validate_client(client: object) -> RedisClient:
     return client
 
 
+def _new_permit_id() -> str:
+    """A random 128-bit permit id (cheaper than uuid4, which matters on the acquire path)."""
+    return os.urandom(16).hex()
+
+
 def _validate_permit_id(permit_id: object) -> str:
     if not isinstance(permit_id, str) or not permit_id:
         raise ConfigurationError(f"permit_id must be a non-empty str, got {permit_id!r}")
+    if permit_id.startswith(":"):
+        raise ConfigurationError(f"permit_id must not start with ':' (reserved), got {permit_id!r}")
     if len(permit_id) > MAX_PERMIT_ID_LENGTH:
         raise ConfigurationError(f"permit_id longer than {MAX_PERMIT_ID_LENGTH} characters")
     return permit_id
@@ -92,6 +102,12 @@ class FairSemaphore:
             leaves nothing behind.
         prefix: first part of every key, to keep the plugin in its namespace.
         clock: monotonic clock for local deadlines (injectable for tests).
+        min_replicas: a grant counts only once this many replicas acknowledged it (``WAIT``,
+            sent with the acquire in one round trip); else it is released and the attempt is
+            "not granted", or :class:`NotEnoughReplicas` is raised if the primary has fewer
+            replicas connected. 0 (the default) skips ``WAIT``. Not consensus: see the docs.
+        replica_timeout: seconds ``WAIT`` may block for the acknowledgements (keep it below
+            the client's ``socket_timeout``).
     """
 
     def __init__(
@@ -105,6 +121,8 @@ class FairSemaphore:
         idle_ttl: float = DEFAULT_IDLE_TTL,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.monotonic,
+        min_replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         self.client = _validate_client(client)
         self.name = validate_name(name)
@@ -123,6 +141,15 @@ class FairSemaphore:
         self._keys = self.keys.all
         self._lease_ms = _ms(self.lease)
         self._idle_ms = _ms(self.idle_ttl)
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 0:
+            raise ConfigurationError(f"min_replicas must be an int >= 0, got {min_replicas!r}")
+        self.min_replicas = min_replicas
+        self.replica_timeout = _positive_seconds(replica_timeout, "replica_timeout")
+        # Arguments that never change, encoded once: the acquire path runs on every task start.
+        self._limit_arg = str(limit).encode()
+        self._lease_arg = str(self._lease_ms).encode()
+        self._waiter_lease_arg = str(_ms(self.waiter_lease)).encode()
+        self._idle_arg = str(self._idle_ms).encode()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} limit={self.limit} lease={self.lease}s>"
@@ -142,31 +169,61 @@ class FairSemaphore:
         ``permit_id`` already has) for ``waiter_lease`` seconds. Calling again with the same
         ``permit_id`` is idempotent: a holder gets its permit back with a renewed lease.
         """
-        pid = uuid.uuid4().hex if permit_id is None else _validate_permit_id(permit_id)
-        wl = (
-            self.waiter_lease
-            if waiter_lease is None
-            else _positive_seconds(waiter_lease, "waiter_lease")
-        )
-        reply = _run(
-            ACQUIRE,
-            self.client,
-            self._keys,
-            [
-                pid,
-                self.limit,
-                self._lease_ms,
-                1 if join_line else 0,
-                _ms(wl),
-                self._idle_ms,
-                self.keys.wake_prefix,
-            ],
-            self.name,
-        )
-        granted, value, expires_at, _now = (int(x) for x in reply)
+        pid = _new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
+        if waiter_lease is None:
+            wl_arg = self._waiter_lease_arg
+        else:
+            wl_arg = str(_ms(_positive_seconds(waiter_lease, "waiter_lease"))).encode()
+        args = [
+            pid,
+            self._limit_arg,
+            self._lease_arg,
+            b"1" if join_line else b"0",
+            wl_arg,
+            self._idle_arg,
+        ]
+        if self.min_replicas:
+            return self._attempt_acknowledged(pid, args)
+        granted, value, expires_at = _run(ACQUIRE, self.client, self._keys, args, self.name)
         if granted:
-            return Permit(pid, self.name, value, expires_at, self.lease, self.keys.prefix)
-        return Waiting(pid, self.name, value, expires_at)
+            return Permit(pid, self.name, int(value), int(expires_at), self.lease, self.keys.prefix)
+        return Waiting(pid, self.name, int(value), int(expires_at))
+
+    def _attempt_acknowledged(self, pid: str, args: list[Any]) -> Permit | Waiting:
+        """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is given back."""
+        try:
+            reply, acked = run_acknowledged(
+                ACQUIRE,
+                self.client,
+                self._keys,
+                args,
+                replicas=self.min_replicas,
+                timeout_ms=_ms(self.replica_timeout),
+            )
+        except redis.RedisError as exc:
+            raise BackendError(
+                f"Redis failed during acquire.lua + WAIT for {self.name!r}: {exc}", name=self.name
+            ) from exc
+        granted, value, expires_at = (int(x) for x in reply[:3])
+        if not granted:
+            return Waiting(pid, self.name, value, expires_at)
+        permit = Permit(pid, self.name, value, expires_at, self.lease, self.keys.prefix)
+        if acked >= self.min_replicas:
+            return permit
+        self.release(permit)
+        try:
+            connected = connected_replicas(self.client, self._keys[0])
+        except redis.RedisError as exc:
+            raise BackendError(f"Redis failed during INFO: {exc}", name=self.name) from exc
+        if connected < self.min_replicas:
+            forget_primary(self.client)
+            raise NotEnoughReplicas(
+                f"{self.name!r} needs min_replicas={self.min_replicas} acknowledgements but the "
+                f"primary has {connected} replica(s) connected; the grant was released",
+                name=self.name,
+                permit_id=pid,
+            )
+        return Waiting(pid, self.name, 0, 0)
 
     def acquire(
         self,
@@ -189,7 +246,7 @@ class FairSemaphore:
             return result if isinstance(result, Permit) else None
         if timeout is not None:
             timeout = max(0.0, float(timeout))
-        pid = uuid.uuid4().hex if permit_id is None else _validate_permit_id(permit_id)
+        pid = _new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
         deadline = None if timeout is None else self._clock() + timeout
         poll_cap = self._poll_cap()
         while True:
@@ -303,6 +360,8 @@ class Lock(FairSemaphore):
         idle_ttl: float = DEFAULT_IDLE_TTL,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.monotonic,
+        min_replicas: int = 0,
+        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         super().__init__(
             client,
@@ -313,6 +372,8 @@ class Lock(FairSemaphore):
             idle_ttl=idle_ttl,
             prefix=prefix,
             clock=clock,
+            min_replicas=min_replicas,
+            replica_timeout=replica_timeout,
         )
 
 
@@ -356,7 +417,8 @@ def refresh_permits(
     """Extend many permits' leases at once and report which were lost.
 
     On a single server this is one script call for all permits. On Redis Cluster the permits are
-    grouped by hash slot (a script may only touch one slot) and the calls are sent per node.
+    grouped by hash slot (a script may only touch one slot) and the per-slot calls go out in one
+    pipeline that writes to every node before reading any reply: one round trip for all nodes.
     A permit is never resurrected: one that expired or was released is reported lost.
     """
     batch = list(permits)
@@ -371,16 +433,21 @@ def refresh_permits(
         parts = list(groups.values())
     else:
         parts = [batch]
-    refreshed: list[Permit] = []
-    lost: list[Permit] = []
+    calls: list[tuple[list[str], list[Any]]] = []
     for part in parts:
         keys: list[str] = []
         args: list[Any] = [idle_ms]
         for permit in part:
-            k = permit.keys
-            keys += [k.holders, k.tokens, k.meta]
+            keys.append(permit.keys.holders)
             args += [permit.id, str(permit.token), _ms(permit.lease)]
-        reply = _run(REFRESH, client, keys, args, part[0].name)
+        calls.append((keys, args))
+    if len(calls) == 1:
+        replies = [_run(REFRESH, client, *calls[0], batch[0].name)]
+    else:
+        replies = _run_pipelined(REFRESH, client, calls, batch[0].name)
+    refreshed: list[Permit] = []
+    lost: list[Permit] = []
+    for part, reply in zip(parts, replies, strict=True):
         for permit, expires_at in zip(part, reply, strict=True):
             if int(expires_at) > 0:
                 refreshed.append(
@@ -396,3 +463,40 @@ def refresh_permits(
             else:
                 lost.append(permit)
     return RefreshResult(refreshed, lost)
+
+
+def _run_pipelined(
+    script: LuaScript, client: Any, calls: list[tuple[list[str], list[Any]]], name: str
+) -> list[Any]:
+    """Run ``script`` once per ``(keys, args)`` in one non-transactional pipeline.
+
+    On a cluster the pipeline batches the calls per node and writes to every node before it
+    reads any reply. Calls answered ``NOSCRIPT`` are sent again after ``SCRIPT LOAD``. (Sent
+    with ``execute_command``: redis-py's cluster pipeline refuses ``evalsha()`` only because it
+    cannot know the script is loaded, and the ``NOSCRIPT`` retry here covers that.)
+    """
+    replies: list[Any] = [None] * len(calls)
+    pending = list(range(len(calls)))
+    try:
+        for retry in (True, False):
+            pipe = client.pipeline(transaction=False)
+            for i in pending:
+                keys, args = calls[i]
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            missing = []
+            for i, result in zip(pending, pipe.execute(raise_on_error=False), strict=True):
+                if retry and isinstance(result, NoScriptError):
+                    missing.append(i)
+                elif isinstance(result, Exception):
+                    raise result
+                else:
+                    replies[i] = result
+            if not missing:
+                break
+            client.script_load(script.source)
+            pending = missing
+    except redis.RedisError as exc:
+        raise BackendError(
+            f"Redis failed during {script.filename} for {name!r}: {exc}", name=name
+        ) from exc
+    return replies
