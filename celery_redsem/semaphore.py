@@ -138,18 +138,19 @@ class FairSemaphore:
         self.idle_ttl = _positive_seconds(idle_ttl, "idle_ttl")
         self.keys = SemaphoreKeys(validate_prefix(prefix), self.name)
         self._clock = clock
-        self._keys = self.keys.all
+        # The scripts declare only the holders key; the other keys share its hash tag.
+        self._keys = [self.keys.holders]
         self._lease_ms = _ms(self.lease)
         self._idle_ms = _ms(self.idle_ttl)
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 0:
-            raise ConfigurationError(f"min_replicas must be an int >= 0, got {min_replicas!r}")
+            raise ConfigurationError(
+                f"min_replicas must be an int >= 0, got {min_replicas!r}", name=name
+            )
         self.min_replicas = min_replicas
         self.replica_timeout = _positive_seconds(replica_timeout, "replica_timeout")
-        # Arguments that never change, encoded once: the acquire path runs on every task start.
-        self._limit_arg = str(limit).encode()
-        self._lease_arg = str(self._lease_ms).encode()
-        self._waiter_lease_arg = str(_ms(self.waiter_lease)).encode()
-        self._idle_arg = str(self._idle_ms).encode()
+        # Settings that never change, encoded once: acquire runs on every task start.
+        self._settings_try = self._settings(self.waiter_lease, join_line=False)
+        self._settings_join = self._settings(self.waiter_lease, join_line=True)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} limit={self.limit} lease={self.lease}s>"
@@ -170,24 +171,22 @@ class FairSemaphore:
         ``permit_id`` is idempotent: a holder gets its permit back with a renewed lease.
         """
         pid = _new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
-        if waiter_lease is None:
-            wl_arg = self._waiter_lease_arg
+        if waiter_lease is not None:
+            settings = self._settings(_positive_seconds(waiter_lease, "waiter_lease"), join_line)
         else:
-            wl_arg = str(_ms(_positive_seconds(waiter_lease, "waiter_lease"))).encode()
-        args = [
-            pid,
-            self._limit_arg,
-            self._lease_arg,
-            b"1" if join_line else b"0",
-            wl_arg,
-            self._idle_arg,
-        ]
+            settings = self._settings_join if join_line else self._settings_try
+        args = [pid, settings]
         if self.min_replicas:
             return self._attempt_acknowledged(pid, args)
         granted, value, expires_at = _run(ACQUIRE, self.client, self._keys, args, self.name)
         if granted:
             return Permit(pid, self.name, int(value), int(expires_at), self.lease, self.keys.prefix)
         return Waiting(pid, self.name, int(value), int(expires_at))
+
+    def _settings(self, waiter_lease: float, join_line: bool) -> bytes:
+        """acquire.lua's ARGV[2]: ``limit:lease ms:waiter lease ms:idle ttl ms:join``."""
+        join = 1 if join_line else 0
+        return f"{self.limit}:{self._lease_ms}:{_ms(waiter_lease)}:{self._idle_ms}:{join}".encode()
 
     def _attempt_acknowledged(self, pid: str, args: list[Any]) -> Permit | Waiting:
         """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is given back."""
@@ -308,7 +307,7 @@ class FairSemaphore:
             RELEASE,
             self.client,
             self._keys,
-            [pid, token, self._idle_ms, self.keys.wake_prefix],
+            [pid, token],
             self.name,
         )
         return int(reply) > 0
@@ -380,7 +379,7 @@ class Lock(FairSemaphore):
 def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> SemaphoreState:
     """Snapshot of the semaphore ``name`` without knowing its limit (the CLI uses this)."""
     keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
-    now, limit, fence, flat_holders, flat_waiters = _run(STATE, client, keys.all, [], name)
+    now, limit, fence, flat_holders, flat_waiters = _run(STATE, client, [keys.holders], [], name)
     now = int(now)
     holders = [
         HolderInfo(

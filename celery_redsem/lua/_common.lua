@@ -1,15 +1,18 @@
 -- Shared helpers: prepended to every script by scripts.py, never run alone.
 --
--- Keys of one semaphore (all share the hash tag {name}, so one cluster slot):
---   KEYS[1] holders  HASH  permit id -> '<fencing token>:<lease expiry ms>', and six counters:
+-- Keys of one semaphore. All share the hash tag {name}, so they live in one cluster slot.
+-- Scripts declare only the holders key (KEYS[1], which routes the call); the others are derived
+-- from it here, in the same slot. Fewer declared keys and arguments measurably shorten the
+-- acquire/release round trip, which runs on every task start and end.
+--   holders  HASH  permit id -> '<fencing token>:<lease expiry ms>', and six counters:
 --                          ':fence'   last fencing token granted
 --                          ':limit'   limit the last caller asked for (for inspection and wake-ups)
 --                          ':ticket'  last ticket handed to a waiter
 --                          ':queued'  waiters in line (healed from the zset when in doubt)
 --                          ':next'    no holder's lease ends before this (ms); 0 = unknown
 --                          ':horizon' when the hash expires (ms)
---   KEYS[2] waiters  ZSET  permit id -> ticket (FIFO order)
---   KEYS[3] wexp     ZSET  permit id -> waiter lease expiry (ms)
+--   waiters  ZSET  permit id -> ticket (FIFO order)
+--   wexp     ZSET  permit id -> waiter lease expiry (ms)
 --   <prefix>:{name}:wake:<permit id>  LIST  wake-up signal for a blocked waiter
 -- Times come from the server's clock only (TIME); client clocks never matter.
 -- Every key expires after the longest lease in it plus the idle TTL: idle semaphores vanish.
@@ -41,7 +44,13 @@ local function token_of(entry)
   return string.match(entry, '^(%d+):')
 end
 
--- The wake-up list of a waiter; `holders` is '<prefix>:{name}:holders'.
+-- Sibling keys of `holders` ('<prefix>:{name}:holders'): waiters, waiter expiries.
+local function sibling_keys(holders)
+  local base = string.sub(holders, 1, #holders - 7)
+  return base .. 'waiters', base .. 'wexp'
+end
+
+-- The wake-up list of a waiter.
 local function wake_key(holders, id)
   return string.sub(holders, 1, #holders - 7) .. 'wake:' .. id
 end

@@ -1,23 +1,22 @@
 -- acquire: grant a permit, or take / keep a place in the FIFO waiting line.
 --
--- KEYS[1] holders  KEYS[2] waiters  KEYS[3] wexp
+-- KEYS[1] holders
 -- ARGV[1] permit id
--- ARGV[2] limit (>= 1)
--- ARGV[3] lease, ms
--- ARGV[4] '1' to join (or stay in) the waiting line when no permit is free, '0' to only try
--- ARGV[5] waiter lease, ms: how long a place in line is kept without the waiter coming back
--- ARGV[6] idle ttl, ms: how long keys outlive the last lease in them
+-- ARGV[2] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>', where
+--         limit >= 1; the waiter lease is how long a place in line is kept without the waiter
+--         coming back; the idle ttl is how long keys outlive the last lease in them; join is
+--         1 to join (or stay in) the waiting line when no permit is free, 0 to only try
 --
 -- Returns {1, token, lease expiry ms}     granted (or already held: same token, lease renewed)
 --         {0, position, waiter expiry ms} not granted; position is 1-based, 0 if not in line
 --
 -- Idempotent per permit id: a holder gets its permit back, a waiter keeps its ticket.
 -- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
-local holders, waiters, wexp = KEYS[1], KEYS[2], KEYS[3]
+local holders = KEYS[1]
+local waiters, wexp = sibling_keys(holders)
 local id = ARGV[1]
-local limit = tonumber(ARGV[2])
-local lease = tonumber(ARGV[3])
-local idle_ttl = tonumber(ARGV[6])
+local limit, lease, waiter_lease, idle_ttl, join = string.match(ARGV[2], '^(%d+):(%d+):(%d+):(%d+):(%d)$')
+limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
 local half_idle = math.floor(idle_ttl / 2)
 
 local now, now_us = server_now()
@@ -98,7 +97,7 @@ if held + (rank or queued) < limit then
   return {1, fence, expires}
 end
 
-if ARGV[4] ~= '1' then
+if join ~= '1' then
   if changed(horizon) then
     save(':limit', limit, now)
   end
@@ -110,7 +109,7 @@ if not rank then
   queued = queued + 1
   redis.call('ZADD', waiters, ticket, id)
 end
-local waiter_until = now + tonumber(ARGV[5])
+local waiter_until = now + tonumber(waiter_lease)
 redis.call('ZADD', wexp, waiter_until, id)
 extend(waiters, waiter_until + idle_ttl, queued == 1 and rank == 0)
 extend(wexp, waiter_until + idle_ttl, queued == 1 and rank == 0)

@@ -1,6 +1,6 @@
 -- release: give a permit back, or leave the waiting line. Idempotent and owner-checked.
 --
--- KEYS[1] holders  KEYS[2] waiters  KEYS[3] wexp
+-- KEYS[1] holders
 -- ARGV[1] permit id
 -- ARGV[2] fencing token of the grant being released, or '' to release whatever grant the id holds
 --         (used by the worker's main process, which knows only the task id)
@@ -9,11 +9,15 @@
 -- neither (already released, expired, or a different grant with the same id).
 -- With nobody waiting this is two calls: HMGET, HDEL. The TTL is left alone: it may outlive the
 -- remaining leases a little, never fall short of them.
-local holders, waiters, wexp = KEYS[1], KEYS[2], KEYS[3]
+local holders = KEYS[1]
 local id, token = ARGV[1], ARGV[2]
 
 local mine, queued = unpack(redis.call('HMGET', holders, id, ':queued'))
 queued = tonumber(queued or 0)
+local waiters, wexp
+if queued > 0 then
+  waiters, wexp = sibling_keys(holders)
+end
 local result = 0
 if mine and (token == '' or token_of(mine) == token) then
   redis.call('HDEL', holders, id)

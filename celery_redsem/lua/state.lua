@@ -1,10 +1,11 @@
 -- state: a consistent snapshot of one semaphore, for inspection. Read-only.
 --
--- KEYS[1] holders  KEYS[2] waiters  KEYS[3] wexp
+-- KEYS[1] holders
 -- Returns {now ms, limit or false, last token or false,
 --          {id, token, lease expiry ms, ...} for live holders,
 --          {id, ticket, waiter expiry ms, ...} for live waiters in line order}
-local holders, waiters, wexp = KEYS[1], KEYS[2], KEYS[3]
+local holders = KEYS[1]
+local waiters, wexp = sibling_keys(holders)
 local now = server_now()
 local h = {}
 local all = redis.call('HGETALL', holders)
