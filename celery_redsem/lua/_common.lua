@@ -21,7 +21,6 @@
 -- and the TTL is pushed only when ':horizon' comes within half an idle TTL.
 
 local COUNTERS = 6
-local SWEEP_BATCH = 1000
 
 -- Server time as (milliseconds, microseconds).
 local function server_now()
@@ -34,81 +33,86 @@ local function fmt(n)
   return string.format('%.0f', n)
 end
 
--- A holder entry '<token>:<expiry>' as two numbers.
-local function parse(entry)
-  local token, expiry = string.match(entry, '^(%d+):(%d+)$')
-  return tonumber(token), tonumber(expiry)
-end
+-- The helpers below are needed off the fast paths only. Creating a closure costs the server
+-- time on every call, so they are built on demand: `local h = helpers()`.
+local function helpers()
+  local h = {}
+  local SWEEP_BATCH = 1000
 
-local function token_of(entry)
-  return string.match(entry, '^(%d+):')
-end
+  -- A holder entry '<token>:<expiry>' as two numbers.
+  function h.parse(entry)
+    local token, expiry = string.match(entry, '^(%d+):(%d+)$')
+    return tonumber(token), tonumber(expiry)
+  end
 
--- Sibling keys of `holders` ('<prefix>:{name}:holders'): waiters, waiter expiries.
-local function sibling_keys(holders)
-  local base = string.sub(holders, 1, #holders - 7)
-  return base .. 'waiters', base .. 'wexp'
-end
+  -- Sibling keys of `holders` ('<prefix>:{name}:holders'): waiters, waiter expiries.
+  function h.sibling_keys(holders)
+    local base = string.sub(holders, 1, #holders - 7)
+    return base .. 'waiters', base .. 'wexp'
+  end
 
--- The wake-up list of a waiter.
-local function wake_key(holders, id)
-  return string.sub(holders, 1, #holders - 7) .. 'wake:' .. id
-end
+  -- The wake-up list of a waiter.
+  function h.wake_key(holders, id)
+    return string.sub(holders, 1, #holders - 7) .. 'wake:' .. id
+  end
 
--- Remove holders whose lease ended. Returns (live holders, earliest live expiry or 0).
-local function sweep_holders(holders, now)
-  local all = redis.call('HGETALL', holders)
-  local expired, held, earliest = {}, 0, 0
-  for i = 1, #all, 2 do
-    if string.sub(all[i], 1, 1) ~= ':' then
-      local _, expiry = parse(all[i + 1])
-      if expiry <= now then
-        expired[#expired + 1] = all[i]
-      else
-        held = held + 1
-        if earliest == 0 or expiry < earliest then
-          earliest = expiry
+  -- Remove holders whose lease ended. Returns (live holders, earliest live expiry or 0).
+  function h.sweep_holders(holders, now)
+    local all = redis.call('HGETALL', holders)
+    local expired, held, earliest = {}, 0, 0
+    for i = 1, #all, 2 do
+      if string.sub(all[i], 1, 1) ~= ':' then
+        local _, expiry = h.parse(all[i + 1])
+        if expiry <= now then
+          expired[#expired + 1] = all[i]
+        else
+          held = held + 1
+          if earliest == 0 or expiry < earliest then
+            earliest = expiry
+          end
         end
       end
     end
+    for i = 1, #expired, SWEEP_BATCH do
+      redis.call('HDEL', holders, unpack(expired, i, math.min(i + SWEEP_BATCH - 1, #expired)))
+    end
+    return held, earliest
   end
-  for i = 1, #expired, SWEEP_BATCH do
-    redis.call('HDEL', holders, unpack(expired, i, math.min(i + SWEEP_BATCH - 1, #expired)))
-  end
-  return held, earliest
-end
 
--- Remove waiters whose waiter lease ended. Returns the number still in line.
-local function sweep_waiters(waiters, wexp, now)
-  local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
-  if #left > 0 then
-    redis.call('ZREM', wexp, unpack(left))
-    redis.call('ZREM', waiters, unpack(left))
+  -- Remove waiters whose waiter lease ended. Returns the number still in line.
+  function h.sweep_waiters(waiters, wexp, now)
+    local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
+    if #left > 0 then
+      redis.call('ZREM', wexp, unpack(left))
+      redis.call('ZREM', waiters, unpack(left))
+    end
+    return redis.call('ZCARD', waiters)
   end
-  return redis.call('ZCARD', waiters)
-end
 
--- Push a wake-up to the first `free` waiters so blocked acquirers retry at once.
-local function wake(holders, waiters, wexp, free, now)
-  if free <= 0 then
-    return
-  end
-  for _, id in ipairs(redis.call('ZRANGE', waiters, 0, free - 1)) do
-    local until_ms = tonumber(redis.call('ZSCORE', wexp, id) or now)
-    if until_ms > now then
-      local key = wake_key(holders, id)
-      redis.call('LPUSH', key, '1')
-      redis.call('LTRIM', key, 0, 0)
-      redis.call('PEXPIRE', key, until_ms - now)
+  -- Push a wake-up to the first `free` waiters so blocked acquirers retry at once.
+  function h.wake(holders, waiters, wexp, free, now)
+    if free <= 0 then
+      return
+    end
+    for _, id in ipairs(redis.call('ZRANGE', waiters, 0, free - 1)) do
+      local until_ms = tonumber(redis.call('ZSCORE', wexp, id) or now)
+      if until_ms > now then
+        local key = h.wake_key(holders, id)
+        redis.call('LPUSH', key, '1')
+        redis.call('LTRIM', key, 0, 0)
+        redis.call('PEXPIRE', key, until_ms - now)
+      end
     end
   end
-end
 
--- Let a zset live until `at` (ms); `fresh`: this script just created it (no TTL yet).
-local function extend(key, at, fresh)
-  if fresh then
-    redis.call('PEXPIREAT', key, at)
-  else
-    redis.call('PEXPIREAT', key, at, 'GT')
+  -- Let a zset live until `at` (ms); `fresh`: this script just created it (no TTL yet).
+  function h.extend(key, at, fresh)
+    if fresh then
+      redis.call('PEXPIREAT', key, at)
+    else
+      redis.call('PEXPIREAT', key, at, 'GT')
+    end
   end
+
+  return h
 end

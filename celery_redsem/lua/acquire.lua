@@ -13,9 +13,9 @@
 -- Idempotent per permit id: a holder gets its permit back, a waiter keeps its ticket.
 -- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
 local holders = KEYS[1]
-local waiters, wexp = sibling_keys(holders)
 local id = ARGV[1]
-local limit, lease, waiter_lease, idle_ttl, join = string.match(ARGV[2], '^(%d+):(%d+):(%d+):(%d+):(%d)$')
+local limit, lease, waiter_lease, idle_ttl, join =
+  string.match(ARGV[2], '^(%d+):(%d+):(%d+):(%d+):(%d)$')
 limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
 local half_idle = math.floor(idle_ttl / 2)
 
@@ -25,13 +25,13 @@ local mine, fence, queued, next_expiry, horizon, ticket, stored_limit = unpack(r
 local fresh = not fence
 fence, queued = tonumber(fence or 0), tonumber(queued or 0)
 next_expiry, horizon, ticket = tonumber(next_expiry or 0), tonumber(horizon or 0), tonumber(ticket or 0)
-local seen = {queued, next_expiry, ticket}
+local seen_queued, seen_next, seen_ticket = queued, next_expiry, ticket
 local expires = now + lease
 
 -- Did anything but the fence change since the HMGET (or does the TTL need a push)?
 local function changed(new_horizon)
-  return new_horizon ~= horizon or tonumber(stored_limit) ~= limit or queued ~= seen[1]
-    or next_expiry ~= seen[2] or ticket ~= seen[3]
+  return new_horizon ~= horizon or tonumber(stored_limit) ~= limit or queued ~= seen_queued
+    or next_expiry ~= seen_next or ticket ~= seen_ticket
 end
 
 -- Write the counters (all six when any but the fence changed or the hash is new), push the
@@ -53,8 +53,10 @@ local function save(field, value, keep_until)
   end
 end
 
+local h -- slow-path helpers, built only when needed
 if mine then
-  local token, expiry = parse(mine)
+  h = helpers()
+  local token, expiry = h.parse(mine)
   if expiry > now then
     save(id, fmt(token) .. ':' .. expires, expires)
     return {1, token, expires}
@@ -63,22 +65,31 @@ if mine then
 end
 
 local held = fresh and 0 or redis.call('HLEN', holders) - COUNTERS
-local rank = queued > 0 and redis.call('ZRANK', waiters, id) or nil
+local waiters, wexp, rank
+if queued > 0 then
+  h = h or helpers()
+  waiters, wexp = h.sibling_keys(holders)
+  rank = redis.call('ZRANK', waiters, id) or nil
+end
+
 if held + (rank or queued) >= limit then
+  -- Looks full: sweep out holders and waiters whose leases ended, if any can have.
+  h = h or helpers()
+  waiters, wexp = h.sibling_keys(holders)
   local freed = false
   if next_expiry == 0 or next_expiry <= now then
     local before = held
-    held, next_expiry = sweep_holders(holders, now)
+    held, next_expiry = h.sweep_holders(holders, now)
     freed = held < before
   end
   if queued > 0 then
     local before = queued
-    queued = sweep_waiters(waiters, wexp, now)
+    queued = h.sweep_waiters(waiters, wexp, now)
     rank = queued > 0 and redis.call('ZRANK', waiters, id) or nil
     freed = freed or queued < before
   end
   if freed then
-    wake(holders, waiters, wexp, limit - held, now)
+    h.wake(holders, waiters, wexp, limit - held, now)
   end
 end
 
@@ -87,7 +98,7 @@ if held + (rank or queued) < limit then
   if rank then
     redis.call('ZREM', waiters, id)
     redis.call('ZREM', wexp, id)
-    redis.call('DEL', wake_key(holders, id))
+    redis.call('DEL', h.wake_key(holders, id))
     queued = queued - 1
   end
   if next_expiry == 0 or expires < next_expiry then
@@ -111,7 +122,7 @@ if not rank then
 end
 local waiter_until = now + tonumber(waiter_lease)
 redis.call('ZADD', wexp, waiter_until, id)
-extend(waiters, waiter_until + idle_ttl, queued == 1 and rank == 0)
-extend(wexp, waiter_until + idle_ttl, queued == 1 and rank == 0)
+h.extend(waiters, waiter_until + idle_ttl, queued == 1 and rank == 0)
+h.extend(wexp, waiter_until + idle_ttl, queued == 1 and rank == 0)
 save(':limit', limit, waiter_until + half_idle)
 return {0, rank + 1, waiter_until}

@@ -14,8 +14,8 @@ for i = 1, #KEYS do
   local id, token, lease = ARGV[3 * i - 1], ARGV[3 * i], tonumber(ARGV[3 * i + 1])
   local mine, horizon = unpack(redis.call('HMGET', holders, id, ':horizon'))
   out[i] = 0
-  if mine and token_of(mine) == token then
-    local _, expiry = parse(mine)
+  if mine and string.match(mine, '^(%d+):') == token then
+    local expiry = tonumber(string.match(mine, ':(%d+)$'))
     if expiry > now then
       local expires = now + lease
       horizon = tonumber(horizon or 0)

@@ -14,26 +14,28 @@ local id, token = ARGV[1], ARGV[2]
 
 local mine, queued = unpack(redis.call('HMGET', holders, id, ':queued'))
 queued = tonumber(queued or 0)
-local waiters, wexp
-if queued > 0 then
-  waiters, wexp = sibling_keys(holders)
-end
 local result = 0
-if mine and (token == '' or token_of(mine) == token) then
+if mine and (token == '' or string.match(mine, '^(%d+):') == token) then
   redis.call('HDEL', holders, id)
   result = 1
-elseif not mine and queued > 0 and redis.call('ZREM', waiters, id) == 1 then
-  redis.call('ZREM', wexp, id)
-  redis.call('DEL', wake_key(holders, id))
-  redis.call('HINCRBY', holders, ':queued', -1)
-  result = 2
+end
+if queued == 0 or (mine and result == 0) then
+  return result
 end
 
-if result > 0 and queued > 0 then
+-- Someone waits: leave the line if this id was in it, then wake whoever a permit is free for.
+local h = helpers()
+local waiters, wexp = h.sibling_keys(holders)
+if not mine and redis.call('ZREM', waiters, id) == 1 then
+  redis.call('ZREM', wexp, id)
+  redis.call('DEL', h.wake_key(holders, id))
+  result = 2
+end
+if result > 0 then
   local now = server_now()
-  local held, earliest = sweep_holders(holders, now)
-  local left = sweep_waiters(waiters, wexp, now)
+  local held, earliest = h.sweep_holders(holders, now)
+  local left = h.sweep_waiters(waiters, wexp, now)
   redis.call('HSET', holders, ':queued', left, ':next', earliest)
-  wake(holders, waiters, wexp, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
+  h.wake(holders, waiters, wexp, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
 end
 return result

@@ -5,13 +5,14 @@
 --          {id, token, lease expiry ms, ...} for live holders,
 --          {id, ticket, waiter expiry ms, ...} for live waiters in line order}
 local holders = KEYS[1]
-local waiters, wexp = sibling_keys(holders)
+local lib = helpers()
+local waiters, wexp = lib.sibling_keys(holders)
 local now = server_now()
 local h = {}
 local all = redis.call('HGETALL', holders)
 for i = 1, #all, 2 do
   if string.sub(all[i], 1, 1) ~= ':' then
-    local token, expiry = parse(all[i + 1])
+    local token, expiry = lib.parse(all[i + 1])
     if expiry > now then
       h[#h + 1] = all[i]
       h[#h + 1] = fmt(token)
