@@ -178,10 +178,15 @@ class FairSemaphore:
         args = [pid, settings]
         if self.min_replicas:
             return self._attempt_acknowledged(pid, args)
-        granted, value, expires_at = _run(ACQUIRE, self.client, self._keys, args, self.name)
-        if granted:
-            return Permit(pid, self.name, int(value), int(expires_at), self.lease, self.keys.prefix)
-        return Waiting(pid, self.name, int(value), int(expires_at))
+        return self._result(pid, _run(ACQUIRE, self.client, self._keys, args, self.name))
+
+    def _result(self, pid: str, reply: Any) -> Permit | Waiting:
+        """Decode acquire.lua: ``b"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""
+        if isinstance(reply, bytes | str):  # str with decode_responses=True
+            token, _, expires_at = _text(reply).partition(":")
+            return Permit(pid, self.name, int(token), int(expires_at), self.lease, self.keys.prefix)
+        position, expires_at = reply
+        return Waiting(pid, self.name, int(position), int(expires_at))
 
     def _settings(self, waiter_lease: float, join_line: bool) -> bytes:
         """acquire.lua's ARGV[2]: ``limit:lease ms:waiter lease ms:idle ttl ms:join``."""
@@ -203,11 +208,8 @@ class FairSemaphore:
             raise BackendError(
                 f"Redis failed during acquire.lua + WAIT for {self.name!r}: {exc}", name=self.name
             ) from exc
-        granted, value, expires_at = (int(x) for x in reply[:3])
-        if not granted:
-            return Waiting(pid, self.name, value, expires_at)
-        permit = Permit(pid, self.name, value, expires_at, self.lease, self.keys.prefix)
-        if acked >= self.min_replicas:
+        permit = self._result(pid, reply)
+        if isinstance(permit, Waiting) or acked >= self.min_replicas:
             return permit
         self.release(permit)
         try:

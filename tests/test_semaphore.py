@@ -368,3 +368,16 @@ def test_unreachable_redis_is_a_backend_error():
         sem.acquire()
     assert type(info.value).__name__ == "BackendError"
     assert isinstance(info.value.__cause__, redis.ConnectionError)
+
+
+def test_a_client_with_decoded_responses_works_the_same(redis_url, prefix):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    sem = FairSemaphore(client, "sem", 1, prefix=prefix, lease=5)
+    permit = sem.acquire(permit_id="task-1")
+    assert permit is not None
+    place = sem.attempt("task-2", join_line=True)
+    assert isinstance(place, Waiting)
+    assert place.position == 1
+    assert [h.permit_id for h in sem.holders()] == ["task-1"]
+    assert sem.refresh(permit).token == permit.token
+    assert sem.release(permit) is True

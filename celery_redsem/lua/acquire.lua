@@ -7,8 +7,9 @@
 --         coming back; the idle ttl is how long keys outlive the last lease in them; join is
 --         1 to join (or stay in) the waiting line when no permit is free, 0 to only try
 --
--- Returns {1, token, lease expiry ms}     granted (or already held: same token, lease renewed)
---         {0, position, waiter expiry ms} not granted; position is 1-based, 0 if not in line
+-- Returns '<token>:<lease expiry ms>'  granted (or already held: same token, lease renewed)
+--         {position, waiter expiry ms}   not granted; position is 1-based, 0 if not in line
+-- (A grant is one string, not a table, because it is the reply parsed on every task start.)
 --
 -- Idempotent per permit id: a holder gets its permit back, a waiter keeps its ticket.
 -- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
@@ -58,8 +59,9 @@ if mine then
   h = helpers()
   local token, expiry = h.parse(mine)
   if expiry > now then
-    save(id, fmt(token) .. ':' .. expires, expires)
-    return {1, token, expires}
+    local entry = fmt(token) .. ':' .. expires
+    save(id, entry, expires)
+    return entry
   end
   redis.call('HDEL', holders, id)
 end
@@ -104,15 +106,16 @@ if held + (rank or queued) < limit then
   if next_expiry == 0 or expires < next_expiry then
     next_expiry = expires
   end
-  save(id, fmt(fence) .. ':' .. expires, expires)
-  return {1, fence, expires}
+  local entry = fmt(fence) .. ':' .. expires
+  save(id, entry, expires)
+  return entry
 end
 
 if join ~= '1' then
   if changed(horizon) then
     save(':limit', limit, now)
   end
-  return {0, 0, 0}
+  return {0, 0}
 end
 if not rank then
   rank = queued
@@ -125,4 +128,4 @@ redis.call('ZADD', wexp, waiter_until, id)
 h.extend(waiters, waiter_until + idle_ttl, queued == 1 and rank == 0)
 h.extend(wexp, waiter_until + idle_ttl, queued == 1 and rank == 0)
 save(':limit', limit, waiter_until + half_idle)
-return {0, rank + 1, waiter_until}
+return {rank + 1, waiter_until}
