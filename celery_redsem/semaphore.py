@@ -57,6 +57,21 @@ def _validate_client(client: object) -> RedisClient:
     return client
 
 
+def _back_in(back_in: object, waiter_lease: float) -> float:
+    if isinstance(back_in, bool) or not isinstance(back_in, int | float):
+        raise ConfigurationError(f"back_in must be a number of seconds, got {back_in!r}")
+    if not math.isfinite(back_in) or back_in < 0:
+        raise ConfigurationError(
+            f"back_in must be a finite number of seconds >= 0, got {back_in!r}"
+        )
+    if back_in >= waiter_lease:
+        raise ConfigurationError(
+            f"back_in ({back_in}s) must be shorter than the waiter lease ({waiter_lease}s), "
+            "or the place in line lapses before the waiter is back"
+        )
+    return float(back_in)
+
+
 def _new_permit_id() -> str:
     """A random 128-bit permit id (cheaper than uuid4, which matters on the acquire path)."""
     return os.urandom(16).hex()
@@ -163,16 +178,25 @@ class FairSemaphore:
         *,
         join_line: bool = False,
         waiter_lease: float | None = None,
+        back_in: float = 0.0,
     ) -> Permit | Waiting:
         """One try, one round trip: a :class:`Permit`, or where the caller stands in line.
 
         With ``join_line`` the caller takes a place in the FIFO line (or keeps the one its
         ``permit_id`` already has) for ``waiter_lease`` seconds. Calling again with the same
         ``permit_id`` is idempotent: a holder gets its permit back with a renewed lease.
+
+        ``back_in`` says when a caller that gets no permit will ask again (0: it waits now).
+        Until then its place does not hold a free permit for it: a permit nobody due can use
+        goes to whoever is present, in line order. From then on, until it comes back or its
+        waiter lease ends, its place does hold one. It must be shorter than the waiter lease.
         """
         pid = _new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
-        if waiter_lease is not None:
-            settings = self._settings(_positive_seconds(waiter_lease, "waiter_lease"), join_line)
+        if waiter_lease is not None or back_in:
+            lease = self.waiter_lease if waiter_lease is None else waiter_lease
+            settings = self._settings(
+                _positive_seconds(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
+            )
         else:
             settings = self._settings_join if join_line else self._settings_try
         args = [pid, settings]
@@ -188,10 +212,13 @@ class FairSemaphore:
         position, expires_at = reply
         return Waiting(pid, self.name, int(position), int(expires_at))
 
-    def _settings(self, waiter_lease: float, join_line: bool) -> bytes:
-        """acquire.lua's ARGV[2]: ``limit:lease ms:waiter lease ms:idle ttl ms:join``."""
+    def _settings(self, waiter_lease: float, join_line: bool, back_in: float = 0.0) -> bytes:
+        """acquire.lua's ARGV[2]: ``limit:lease:waiter lease:idle ttl:join:back in`` (ms)."""
         join = 1 if join_line else 0
-        return f"{self.limit}:{self._lease_ms}:{_ms(waiter_lease)}:{self._idle_ms}:{join}".encode()
+        back = math.ceil(back_in * 1000)
+        return (
+            f"{self.limit}:{self._lease_ms}:{_ms(waiter_lease)}:{self._idle_ms}:{join}:{back}"
+        ).encode()
 
     def _attempt_acknowledged(self, pid: str, args: list[Any]) -> Permit | Waiting:
         """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is given back."""

@@ -1,5 +1,6 @@
 """The Lua scripts checked against a tiny pure-Python model of a fair semaphore (leases long enough
-never to expire), for random sequences of tries, queued tries and releases."""
+never to expire), for random sequences of tries, queued tries (present, or away on a long
+countdown) and releases."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from hypothesis import strategies as st
 from celery_redsem import FairSemaphore, Permit, Waiting
 
 IDS = [f"t{i}" for i in range(6)]
+# An attempt to try once, to wait in line, or to wait away on a countdown; or a release.
 op = st.one_of(
-    st.tuples(st.just("attempt"), st.sampled_from(IDS), st.booleans()),
-    st.tuples(st.just("release"), st.sampled_from(IDS), st.just(False)),
+    st.tuples(st.just("attempt"), st.sampled_from(IDS), st.sampled_from(["try", "wait", "away"])),
+    st.tuples(st.just("release"), st.sampled_from(IDS), st.just("")),
 )
 
 
@@ -23,20 +25,27 @@ class Model:
     limit: int
     holders: dict[str, int] = field(default_factory=dict)
     line: list[str] = field(default_factory=list)
+    away: set[str] = field(default_factory=set)  # waiters on a countdown: hold no permit
 
-    def attempt(self, pid: str, join: bool) -> tuple[bool, int]:
+    def attempt(self, pid: str, mode: str) -> tuple[bool, int]:
         if pid in self.holders:
             return True, 0
-        ahead = self.line.index(pid) if pid in self.line else len(self.line)
+        before = self.line[: self.line.index(pid)] if pid in self.line else self.line
+        ahead = sum(1 for w in before if w not in self.away)
         if len(self.holders) + ahead < self.limit:
             if pid in self.line:
                 self.line.remove(pid)
+                self.away.discard(pid)
             self.holders[pid] = 0
             return True, 0
-        if not join:
+        if mode == "try":
             return False, 0
         if pid not in self.line:
             self.line.append(pid)
+        if mode == "away":
+            self.away.add(pid)
+        else:
+            self.away.discard(pid)
         return False, self.line.index(pid) + 1
 
     def release(self, pid: str) -> bool:
@@ -44,6 +53,7 @@ class Model:
             return True
         if pid in self.line:
             self.line.remove(pid)
+            self.away.discard(pid)
             return True
         return False
 
@@ -57,13 +67,14 @@ def test_scripts_match_the_model(redis_client, prefix, limit, ops):
     model = Model(limit)
     tokens: dict[str, int] = {}
     last_token = 0
-    for kind, pid, join in ops:
+    for kind, pid, mode in ops:
         if kind == "release":
             assert sem.release(pid) == model.release(pid)
             tokens.pop(pid, None)
             continue
-        granted, position = model.attempt(pid, join)
-        result = sem.attempt(pid, join_line=join)
+        granted, position = model.attempt(pid, mode)
+        back_in = 30.0 if mode == "away" else 0.0
+        result = sem.attempt(pid, join_line=mode != "try", waiter_lease=60, back_in=back_in)
         if granted:
             assert isinstance(result, Permit)
             if pid in tokens:

@@ -381,3 +381,48 @@ def test_a_client_with_decoded_responses_works_the_same(redis_url, prefix):
     assert [h.permit_id for h in sem.holders()] == ["task-1"]
     assert sem.refresh(permit).token == permit.token
     assert sem.release(permit) is True
+
+
+def test_a_waiter_that_is_away_does_not_hold_a_free_permit(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    holder = sem.acquire()
+    assert holder is not None
+    away = sem.attempt("retrying-task", join_line=True, waiter_lease=60, back_in=30)
+    assert isinstance(away, Waiting)
+    sem.release(holder)
+    present = sem.acquire()  # the waiter is away for 30 s: the permit is not left idle
+    assert present is not None
+    assert [w.permit_id for w in sem.waiters()] == ["retrying-task"]  # it keeps its place
+
+
+def test_a_waiter_that_is_due_holds_the_next_permit(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    holder = sem.acquire()
+    assert holder is not None
+    sem.attempt("retrying-task", join_line=True, waiter_lease=30, back_in=0.2)
+    due_at = server_ms(redis_client) + 200
+    wait_until(lambda: server_ms(redis_client) > due_at, timeout=3, what="the waiter to be due")
+    sem.release(holder)
+    assert sem.acquire() is None  # a newcomer may not take the permit the due waiter is owed
+    assert isinstance(sem.attempt("retrying-task", join_line=True), Permit)
+
+
+def test_present_callers_are_served_in_line_order_past_an_absent_one(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=5)
+    holder = sem.acquire()
+    assert holder is not None
+    sem.attempt("away", join_line=True, waiter_lease=60, back_in=30)
+    sem.attempt("present", join_line=True, waiter_lease=60)
+    sem.release(holder)
+    assert sem.acquire() is None  # "present" is due and ahead of any newcomer
+    assert isinstance(sem.attempt("present", join_line=True), Permit)
+    assert [w.permit_id for w in sem.waiters()] == ["away"]
+
+
+@pytest.mark.parametrize(
+    ("back_in", "message"), [(-1, ">= 0"), (10, "shorter than"), ("1", "number")]
+)
+def test_bad_back_in_gets_a_clear_error(redis_client, prefix, back_in, message):
+    sem = make(redis_client, prefix)
+    with pytest.raises(ConfigurationError, match=message):
+        sem.attempt("t", join_line=True, waiter_lease=10, back_in=back_in)

@@ -13,6 +13,10 @@
 --                          ':horizon' when the hash expires (ms)
 --   waiters  ZSET  permit id -> ticket (FIFO order)
 --   wexp     ZSET  permit id -> waiter lease expiry (ms)
+--   wdue     ZSET  permit id -> when the waiter said it would be back (ms). A place in line
+--                  holds a free permit for its waiter only from then on: a Celery task that
+--                  retries on a countdown is away until its countdown ends, and a permit it
+--                  cannot use meanwhile goes to whoever is present, in line order.
 --   <prefix>:{name}:wake:<permit id>  LIST  wake-up signal for a blocked waiter
 -- Times come from the server's clock only (TIME); client clocks never matter.
 -- Every key expires after the longest lease in it plus the idle TTL: idle semaphores vanish.
@@ -45,10 +49,37 @@ local function helpers()
     return tonumber(token), tonumber(expiry)
   end
 
-  -- Sibling keys of `holders` ('<prefix>:{name}:holders'): waiters, waiter expiries.
+  -- Sibling keys of `holders` ('<prefix>:{name}:holders'): waiters, waiter expiries, due times.
   function h.sibling_keys(holders)
     local base = string.sub(holders, 1, #holders - 7)
-    return base .. 'waiters', base .. 'wexp'
+    return base .. 'waiters', base .. 'wexp', base .. 'wdue'
+  end
+
+  -- How many of the first `n` waiters are due (back, or late) at `now`; counting stops at `cap`.
+  function h.due_ahead(waiters, wdue, n, queued, now, cap)
+    if n <= 0 or cap <= 0 then
+      return 0
+    end
+    local due = redis.call('ZCOUNT', wdue, '-inf', now)
+    if due == 0 or n >= queued then
+      return math.min(due, cap)
+    end
+    local count = 0
+    for start = 0, n - 1, 100 do
+      local ids = redis.call('ZRANGE', waiters, start, math.min(start + 99, n - 1))
+      if #ids == 0 then
+        break
+      end
+      for _, score in ipairs(redis.call('ZMSCORE', wdue, unpack(ids))) do
+        if score and tonumber(score) <= now then
+          count = count + 1
+          if count >= cap then
+            return count
+          end
+        end
+      end
+    end
+    return count
   end
 
   -- The wake-up list of a waiter.
@@ -80,11 +111,12 @@ local function helpers()
   end
 
   -- Remove waiters whose waiter lease ended. Returns the number still in line.
-  function h.sweep_waiters(waiters, wexp, now)
+  function h.sweep_waiters(waiters, wexp, wdue, now)
     local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
     if #left > 0 then
       redis.call('ZREM', wexp, unpack(left))
       redis.call('ZREM', waiters, unpack(left))
+      redis.call('ZREM', wdue, unpack(left))
     end
     return redis.call('ZCARD', waiters)
   end

@@ -2,10 +2,12 @@
 --
 -- KEYS[1] holders
 -- ARGV[1] permit id
--- ARGV[2] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>', where
+-- ARGV[2] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>:<back in ms>', where
 --         limit >= 1; the waiter lease is how long a place in line is kept without the waiter
 --         coming back; the idle ttl is how long keys outlive the last lease in them; join is
---         1 to join (or stay in) the waiting line when no permit is free, 0 to only try
+--         1 to join (or stay in) the waiting line when no permit is free, 0 to only try;
+--         back in is when the caller will ask again (0: it waits now, as a blocked caller
+--         does): until then its place does not hold a free permit for it (< waiter lease)
 --
 -- Returns '<token>:<lease expiry ms>'  granted (or already held: same token, lease renewed)
 --         {position, waiter expiry ms}   not granted; position is 1-based, 0 if not in line
@@ -15,8 +17,8 @@
 -- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
 local holders = KEYS[1]
 local id = ARGV[1]
-local limit, lease, waiter_lease, idle_ttl, join =
-  string.match(ARGV[2], '^(%d+):(%d+):(%d+):(%d+):(%d)$')
+local limit, lease, waiter_lease, idle_ttl, join, back_in =
+  string.match(ARGV[2], '^(%d+):(%d+):(%d+):(%d+):(%d):(%d+)$')
 limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
 local half_idle = math.floor(idle_ttl / 2)
 
@@ -67,17 +69,20 @@ if mine then
 end
 
 local held = fresh and 0 or redis.call('HLEN', holders) - COUNTERS
-local waiters, wexp, rank
+-- `ahead`: waiters before this caller whose place holds a permit now (they are due).
+local waiters, wexp, wdue, rank
+local ahead = 0
 if queued > 0 then
   h = h or helpers()
-  waiters, wexp = h.sibling_keys(holders)
+  waiters, wexp, wdue = h.sibling_keys(holders)
   rank = redis.call('ZRANK', waiters, id) or nil
+  ahead = h.due_ahead(waiters, wdue, rank or queued, queued, now, limit - held)
 end
 
-if held + (rank or queued) >= limit then
+if held + ahead >= limit then
   -- Looks full: sweep out holders and waiters whose leases ended, if any can have.
   h = h or helpers()
-  waiters, wexp = h.sibling_keys(holders)
+  waiters, wexp, wdue = h.sibling_keys(holders)
   local freed = false
   if next_expiry == 0 or next_expiry <= now then
     local before = held
@@ -86,8 +91,9 @@ if held + (rank or queued) >= limit then
   end
   if queued > 0 then
     local before = queued
-    queued = h.sweep_waiters(waiters, wexp, now)
+    queued = h.sweep_waiters(waiters, wexp, wdue, now)
     rank = queued > 0 and redis.call('ZRANK', waiters, id) or nil
+    ahead = h.due_ahead(waiters, wdue, rank or queued, queued, now, limit - held)
     freed = freed or queued < before
   end
   if freed then
@@ -95,11 +101,12 @@ if held + (rank or queued) >= limit then
   end
 end
 
-if held + (rank or queued) < limit then
+if held + ahead < limit then
   fence = math.max(fence + 1, now_us)
   if rank then
     redis.call('ZREM', waiters, id)
     redis.call('ZREM', wexp, id)
+    redis.call('ZREM', wdue, id)
     redis.call('DEL', h.wake_key(holders, id))
     queued = queued - 1
   end
@@ -124,8 +131,11 @@ if not rank then
   redis.call('ZADD', waiters, ticket, id)
 end
 local waiter_until = now + tonumber(waiter_lease)
+local fresh_line = queued == 1 and rank == 0
 redis.call('ZADD', wexp, waiter_until, id)
-h.extend(waiters, waiter_until + idle_ttl, queued == 1 and rank == 0)
-h.extend(wexp, waiter_until + idle_ttl, queued == 1 and rank == 0)
+redis.call('ZADD', wdue, now + tonumber(back_in), id)
+h.extend(waiters, waiter_until + idle_ttl, fresh_line)
+h.extend(wexp, waiter_until + idle_ttl, fresh_line)
+h.extend(wdue, waiter_until + idle_ttl, fresh_line)
 save(':limit', limit, waiter_until + half_idle)
 return {rank + 1, waiter_until}

@@ -25,16 +25,17 @@ end
 
 -- Someone waits: leave the line if this id was in it, then wake whoever a permit is free for.
 local h = helpers()
-local waiters, wexp = h.sibling_keys(holders)
+local waiters, wexp, wdue = h.sibling_keys(holders)
 if not mine and redis.call('ZREM', waiters, id) == 1 then
   redis.call('ZREM', wexp, id)
+  redis.call('ZREM', wdue, id)
   redis.call('DEL', h.wake_key(holders, id))
   result = 2
 end
 if result > 0 then
   local now = server_now()
   local held, earliest = h.sweep_holders(holders, now)
-  local left = h.sweep_waiters(waiters, wexp, now)
+  local left = h.sweep_waiters(waiters, wexp, wdue, now)
   redis.call('HSET', holders, ':queued', left, ':next', earliest)
   h.wake(holders, waiters, wexp, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
 end

@@ -6,7 +6,7 @@
 --          {id, ticket, waiter expiry ms, ...} for live waiters in line order}
 local holders = KEYS[1]
 local lib = helpers()
-local waiters, wexp = lib.sibling_keys(holders)
+local waiters, wexp = lib.sibling_keys(holders)  -- (wdue is not shown)
 local now = server_now()
 local h = {}
 local all = redis.call('HGETALL', holders)
