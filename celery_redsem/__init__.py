@@ -6,6 +6,8 @@ without Celery.
 
 from __future__ import annotations
 
+from .config import RedsemConfig, get_client, get_config
+from .decorators import current_permit, with_lock, with_semaphore
 from .errors import (
     AcquireTimeout,
     BackendError,
@@ -14,6 +16,7 @@ from .errors import (
     PermitLost,
     RedsemError,
 )
+from .heartbeat import HeldPermit
 from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
 from .semaphore import FairSemaphore, Lock, read_state, refresh_permits
 
@@ -24,17 +27,24 @@ __all__ = [
     "BackendError",
     "ConfigurationError",
     "FairSemaphore",
+    "HeldPermit",
     "HolderInfo",
     "KeyFunctionError",
     "Lock",
     "Permit",
     "PermitLost",
+    "RedsemConfig",
     "RedsemError",
     "RefreshResult",
     "SemaphoreState",
     "WaiterInfo",
     "Waiting",
     "__version__",
+    "current_permit",
+    "get_client",
+    "get_config",
     "read_state",
     "refresh_permits",
+    "with_lock",
+    "with_semaphore",
 ]

@@ -1,0 +1,317 @@
+"""Settings: the one place that reads ``app.conf``.
+
+Every setting is named ``redsem_*`` in ``app.conf``; with Django's
+``app.config_from_object("django.conf:settings", namespace="CELERY")`` write them as
+``CELERY_REDSEM_*``. Celery maps both spellings onto the same key, so
+``app.conf.get("redsem_lease")`` reads either. :data:`SETTINGS` lists every setting once, with
+its default and meaning (the docs are checked against it).
+
+:func:`get_config` reads and validates the settings once per app; :func:`get_client` gives each
+app its own Redis client, rebuilt in a forked child instead of reusing the parent's connections.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from celery import Celery
+
+from .clients import client_from_url, redact_url
+from .errors import ConfigurationError
+from .keys import DEFAULT_PREFIX, validate_prefix
+from .semaphore import DEFAULT_IDLE_TTL, DEFAULT_LEASE, RedisClient
+
+__all__ = [
+    "DEFAULT_REDIS_OPTIONS",
+    "LOST_LEASE_POLICIES",
+    "SETTINGS",
+    "RedsemConfig",
+    "Setting",
+    "get_client",
+    "get_config",
+    "reset",
+]
+
+LOST_LEASE_POLICIES = ("log", "raise")
+
+#: redis-py options used unless ``redsem_redis_options`` overrides them: bounded socket waits,
+#: so a hung connection cannot stall the heartbeat for longer than a lease.
+DEFAULT_REDIS_OPTIONS: Mapping[str, Any] = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
+
+
+class Setting(NamedTuple):
+    """One ``redsem_*`` setting: its name in ``app.conf``, its default and what it does."""
+
+    name: str
+    default: Any
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "redsem_redis_url",
+        None,
+        "Redis URL for the semaphores; unset: the result backend, else the broker, if redis(s)://.",
+    ),
+    Setting(
+        "redsem_redis_options",
+        {},
+        "Extra keyword arguments for the redis-py client (merged over 2 s socket timeouts).",
+    ),
+    Setting(
+        "redsem_key_prefix", DEFAULT_PREFIX, "First part of every Redis key the plugin writes."
+    ),
+    Setting(
+        "redsem_lease", DEFAULT_LEASE, "Default permit lease in seconds; refreshed every lease/3."
+    ),
+    Setting(
+        "redsem_idle_ttl",
+        DEFAULT_IDLE_TTL,
+        "Seconds an idle semaphore's keys outlive their last lease.",
+    ),
+    Setting("redsem_retry_backoff", 0.25, "First contention-retry countdown in seconds; doubles."),
+    Setting("redsem_retry_backoff_max", 10.0, "Cap on the contention-retry countdown in seconds."),
+    Setting("redsem_retry_jitter", True, "Randomise contention-retry countdowns (full jitter)."),
+    Setting(
+        "redsem_retry_min_countdown",
+        0.02,
+        "Floor of a contention-retry countdown in seconds, also for the task first in line.",
+    ),
+    Setting(
+        "redsem_head_wait",
+        1.0,
+        "Seconds a task next in line (position <= limit) waits in its slot for a permit; 0: never.",
+    ),
+    Setting(
+        "redsem_waiter_margin",
+        5.0,
+        "Seconds a task keeps its place in line beyond its retry countdown (delivery delays).",
+    ),
+    Setting(
+        "redsem_max_wait",
+        3600.0,
+        "Total seconds a task may wait for a permit, then it fails (AcquireTimeout); None: no cap.",
+    ),
+    Setting(
+        "redsem_lost_lease_policy",
+        "log",
+        "On a lost lease: 'log' an error, or 'raise' PermitLost inside the running task.",
+    ),
+    Setting(
+        "redsem_eager_timeout",
+        30.0,
+        "Seconds an eager (task_always_eager / apply) call blocks for a permit.",
+    ),
+    Setting(
+        "redsem_check_eviction_policy",
+        True,
+        "Warn at worker start if Redis' maxmemory-policy could evict semaphore keys.",
+    ),
+)
+
+_DEFAULTS = {s.name: s.default for s in SETTINGS}
+_NULLABLE = frozenset({"redsem_redis_url", "redsem_max_wait"})
+_REDIS_SCHEMES = ("redis", "rediss")
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class RedsemConfig:
+    """The validated ``redsem_*`` settings of one app (see :data:`SETTINGS`)."""
+
+    redis_url: str | None = field(default=None, repr=False)
+    redis_url_source: str = "redsem_redis_url"
+    redis_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    key_prefix: str = DEFAULT_PREFIX
+    lease: float = DEFAULT_LEASE
+    idle_ttl: float = DEFAULT_IDLE_TTL
+    retry_backoff: float = 0.25
+    retry_backoff_max: float = 10.0
+    retry_jitter: bool = True
+    retry_min_countdown: float = 0.02
+    head_wait: float = 1.0
+    waiter_margin: float = 5.0
+    max_wait: float | None = 3600.0
+    lost_lease_policy: str = "log"
+    eager_timeout: float = 30.0
+    check_eviction_policy: bool = True
+
+    def require_redis_url(self) -> str:
+        """The Redis URL, or a :class:`ConfigurationError` saying how to set one."""
+        if self.redis_url is None:
+            raise ConfigurationError(
+                "celery_redsem needs a Redis server: set redsem_redis_url "
+                "(Django: CELERY_REDSEM_REDIS_URL), or use a redis:// result backend or broker"
+            )
+        return self.redis_url
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> RedsemConfig:
+        """Read and validate the settings from an app's ``conf`` (or any mapping)."""
+        read = _Reader(conf)
+        url, source = _redis_url(conf, read)
+        return cls(
+            redis_url=url,
+            redis_url_source=source,
+            redis_options={**DEFAULT_REDIS_OPTIONS, **read.mapping("redsem_redis_options")},
+            key_prefix=read.prefix("redsem_key_prefix"),
+            lease=read.seconds("redsem_lease"),
+            idle_ttl=read.seconds("redsem_idle_ttl"),
+            retry_backoff=read.seconds("redsem_retry_backoff", zero_ok=True),
+            retry_backoff_max=read.seconds("redsem_retry_backoff_max", zero_ok=True),
+            retry_jitter=read.boolean("redsem_retry_jitter"),
+            retry_min_countdown=read.seconds("redsem_retry_min_countdown", zero_ok=True),
+            head_wait=read.seconds("redsem_head_wait", zero_ok=True),
+            waiter_margin=read.seconds("redsem_waiter_margin"),
+            max_wait=read.seconds("redsem_max_wait", none_ok=True),
+            lost_lease_policy=read.choice("redsem_lost_lease_policy", LOST_LEASE_POLICIES),
+            eager_timeout=read.seconds("redsem_eager_timeout", zero_ok=True),
+            check_eviction_policy=read.boolean("redsem_check_eviction_policy"),
+        )
+
+
+class _Reader:
+    """Typed access to ``redsem_*`` settings; errors name the setting."""
+
+    def __init__(self, conf: Mapping[str, Any]) -> None:
+        self.conf = conf
+
+    def get(self, name: str) -> Any:
+        """The value set for ``name``; the default if unset (or None where None means nothing)."""
+        value = self.conf.get(name, _UNSET)
+        if value is _UNSET or (value is None and name not in _NULLABLE):
+            return _DEFAULTS[name]
+        return value
+
+    def _fail(self, name: str, expected: str, value: object) -> ConfigurationError:
+        return ConfigurationError(
+            f"setting {name} (Django: CELERY_{name.upper()}) must be {expected}, got {value!r}"
+        )
+
+    def seconds(self, name: str, *, zero_ok: bool = False, none_ok: bool = False) -> Any:
+        value = self.get(name)
+        if value is None and none_ok:
+            return None
+        expected = (
+            f"a number of seconds {'>= 0' if zero_ok else '> 0'}{' or None' if none_ok else ''}"
+        )
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._fail(name, expected, value)
+        if not math.isfinite(value):
+            raise self._fail(name, expected, value)
+        if value < 0 or (value == 0 and not zero_ok):
+            raise self._fail(name, expected, value)
+        return float(value)
+
+    def boolean(self, name: str) -> bool:
+        value = self.get(name)
+        if not isinstance(value, bool):
+            raise self._fail(name, "True or False", value)
+        return value
+
+    def choice(self, name: str, choices: tuple[str, ...]) -> str:
+        value = self.get(name)
+        if value not in choices:
+            raise self._fail(name, " or ".join(repr(c) for c in choices), value)
+        return str(value)
+
+    def mapping(self, name: str) -> dict[str, Any]:
+        value = self.get(name)
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise self._fail(name, "a dict of redis-py keyword arguments", value)
+        return dict(value)
+
+    def prefix(self, name: str) -> str:
+        value = self.get(name)
+        try:
+            return validate_prefix(value)
+        except ConfigurationError:
+            raise self._fail(name, "a non-empty str without '{', '}' or '*'", value) from None
+
+
+def _redis_url(conf: Mapping[str, Any], read: _Reader) -> tuple[str | None, str]:
+    """The configured URL, else a redis:// result backend, else a redis:// broker."""
+    url = read.get("redsem_redis_url")
+    if url is not None:
+        if not isinstance(url, str) or not url:
+            raise read._fail("redsem_redis_url", "a redis:// URL", url)
+        return url, "redsem_redis_url"
+    for source in ("result_backend", "broker_url"):
+        candidate = _first_url(getattr(conf, source, None) or conf.get(source))
+        if candidate and candidate.split("://", 1)[0].lower() in _REDIS_SCHEMES:
+            return candidate, source
+    return None, "redsem_redis_url"
+
+
+def _first_url(value: object) -> str | None:
+    """The first URL of a setting that may hold a list or a ``;``-separated failover list."""
+    if isinstance(value, list | tuple):
+        value = value[0] if value else None
+    if not isinstance(value, str):
+        return None
+    return value.split(";", 1)[0].strip() or None
+
+
+# -- per-app caches -----------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_configs: weakref.WeakKeyDictionary[Celery, RedsemConfig] = weakref.WeakKeyDictionary()
+_clients: weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]] = weakref.WeakKeyDictionary()
+
+
+def get_config(app: Celery) -> RedsemConfig:
+    """The app's :class:`RedsemConfig`, read from ``app.conf`` at first use and then cached."""
+    with _lock:
+        config = _configs.get(app)
+        if config is None:
+            config = RedsemConfig.from_conf(app.conf)
+            _configs[app] = config
+        return config
+
+
+def get_client(app: Celery) -> RedisClient:
+    """The app's Redis client in this process (a forked child builds its own)."""
+    pid = os.getpid()
+    with _lock:
+        cached = _clients.get(app)
+        if cached is not None and cached[0] == pid:
+            return cached[1]
+    config = get_config(app)
+    url = config.require_redis_url()
+    try:
+        client = client_from_url(url, **config.redis_options)
+    except ConfigurationError:
+        raise
+    except (TypeError, ValueError) as exc:
+        where = f"{redact_url(url)!r} (from {config.redis_url_source})"
+        raise ConfigurationError(f"cannot build a Redis client for {where}: {exc}") from exc
+    with _lock:
+        cached = _clients.get(app)
+        if cached is not None and cached[0] == pid:
+            return cached[1]
+        _clients[app] = (pid, client)
+        return client
+
+
+def reset(app: Celery) -> None:
+    """Forget the app's cached config and client (after changing ``app.conf`` in tests)."""
+    with _lock:
+        _configs.pop(app, None)
+        cached = _clients.pop(app, None)
+    if cached is not None and cached[0] == os.getpid():
+        cached[1].close()
+
+
+def _after_fork_in_child() -> None:
+    # A fork copies the lock in whatever state another thread left it; give the child a fresh one.
+    global _lock  # noqa: PLW0603
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

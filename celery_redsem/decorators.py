@@ -1,0 +1,86 @@
+"""``@with_semaphore`` and ``@with_lock``: the decorators a task author writes under ``@app.task``.
+
+::
+
+    @app.task(bind=True)
+    @with_semaphore(limit=5, key=lambda account_id: f"market:{account_id}")
+    def buy_item(self, account_id, item_id): ...
+
+    @app.task
+    @with_lock(key=lambda report_id: f"report:{report_id}")
+    def build_report(report_id): ...
+
+The key callable receives the task's arguments by name (only those it names; positional or
+keyword at call time does not matter); a string is a fixed key. A wrong ``limit``, ``key`` or
+option raises :class:`~celery_redsem.ConfigurationError` here, at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from . import worker as _worker  # noqa: F401  (connects the worker's signal handlers)
+from .task_guard import _GUARD_ATTR, KeyFunction, TaskGuard, current_permit
+
+__all__ = ["current_permit", "with_lock", "with_semaphore"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def with_semaphore(
+    limit: int,
+    key: str | KeyFunction,
+    *,
+    lease: float | None = None,
+    max_wait: float | None = None,
+    lost_lease_policy: str | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """At most ``limit`` runs of the task at once per key, across all workers.
+
+    Args:
+        limit: how many runs at once per key (an int >= 1).
+        key: the semaphore name, or a callable that gets the task's arguments by name and
+            returns it (a non-empty str of at most 512 characters without ``{`` or ``}``).
+        lease: permit lease in seconds (default: ``redsem_lease``); the heartbeat refreshes it
+            every lease/3 while the task runs.
+        max_wait: seconds the task may wait for a permit over all its contention retries
+            before it fails with :class:`~celery_redsem.AcquireTimeout` (default:
+            ``redsem_max_wait``; ``math.inf``: no limit).
+        lost_lease_policy: ``"log"`` or ``"raise"`` (default: ``redsem_lost_lease_policy``).
+    """
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        guard = TaskGuard(
+            fn,
+            limit=limit,
+            key=key,
+            lease=lease,
+            max_wait=max_wait,
+            lost_lease_policy=lost_lease_policy,
+        )
+
+        @functools.wraps(fn)
+        def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+            result: R = guard.run(args, kwargs)
+            return result
+
+        setattr(guarded, _GUARD_ATTR, guard)
+        return guarded
+
+    return decorate
+
+
+def with_lock(
+    key: str | KeyFunction,
+    *,
+    lease: float | None = None,
+    max_wait: float | None = None,
+    lost_lease_policy: str | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1``."""
+    return with_semaphore(
+        1, key, lease=lease, max_wait=max_wait, lost_lease_policy=lost_lease_policy
+    )

@@ -1,0 +1,329 @@
+"""Keeping held permits alive: one daemon thread per process.
+
+A running task's permit is tracked as a :class:`HeldPermit`. The :class:`Heartbeat` thread
+refreshes each one a third of a lease after it was last confirmed, batching every permit that
+is due (or nearly due) into one :func:`~celery_redsem.refresh_permits` call per client.
+
+* **Stop before release.** :meth:`Heartbeat.untrack` comes before the release; a refresh that
+  was in flight and reports the permit gone is then ignored, not reported as lost.
+* **Errors are not loss.** When Redis cannot be reached the thread retries with a short
+  backoff; it declares a permit lost only when a full lease has passed since the last
+  confirmed refresh (measured from before that call was sent), i.e. when the lease really
+  could have expired. A refresh that answers "not held" is a loss at once.
+* **Fork-safe.** A forked child starts with no heartbeat and no tracked permits; it makes its
+  own thread on its first permit.
+
+On a loss the permit's ``lost_lease_policy`` applies: ``"log"`` logs an error; ``"raise"``
+also raises :class:`LeaseInterrupt` (a :class:`~celery_redsem.PermitLost`) asynchronously in
+the thread running the task body, via ``PyThreadState_SetAsyncExc``. Like Celery's soft time
+limit it arrives at the next Python bytecode, so a body blocked in a long C call (a socket
+read, ``time.sleep``) sees it when that call returns. The body can also poll
+:meth:`HeldPermit.check`. Greenlet pools (gevent/eventlet) get the flag, not the exception.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from .errors import BackendError, PermitLost
+from .permits import Permit
+from .semaphore import DEFAULT_IDLE_TTL, RedisClient, refresh_permits
+
+__all__ = ["Heartbeat", "HeldPermit", "LeaseInterrupt", "get_heartbeat"]
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT = 30.0
+_FIRST_RETRY = 0.05
+
+
+class LeaseInterrupt(PermitLost):
+    """Raised inside a task body when its permit is lost under the ``"raise"`` policy."""
+
+    def __init__(self, message: str = "the permit's lease was lost while the task ran", **kw: Any):
+        super().__init__(message, **kw)
+
+
+def _set_async_exc(thread_id: int, exc_type: type[BaseException] | None) -> int:
+    """Schedule ``exc_type`` in thread ``thread_id`` (None: cancel a pending one)."""
+    target = ctypes.py_object(exc_type) if exc_type is not None else None
+    return int(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), target))
+
+
+class HeldPermit:
+    """A permit held by a running task, kept fresh by the heartbeat.
+
+    ``permit`` is the latest :class:`~celery_redsem.Permit` (its ``expires_at`` moves with each
+    refresh; ``token`` never changes). ``lost`` turns True when the lease was lost.
+    """
+
+    def __init__(
+        self,
+        permit: Permit,
+        client: RedisClient,
+        *,
+        idle_ttl: float = DEFAULT_IDLE_TTL,
+        lost_lease_policy: str = "log",
+        task_name: str = "",
+        confirmed_at: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.idle_ttl = idle_ttl
+        self.lost_lease_policy = lost_lease_policy
+        self.task_name = task_name
+        self.thread_id = threading.get_ident()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._permit = permit
+        self._confirmed_at = clock() if confirmed_at is None else confirmed_at
+        self._failures = 0
+        self._next_due = self._confirmed_at + permit.lease / 3
+        self._tracked = False
+        self._lost = False
+        self._armed = False
+        self._injected = False
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost else "held"
+        return f"<HeldPermit {self.name!r} id={self.id!r} token={self.token} {state}>"
+
+    @property
+    def permit(self) -> Permit:
+        """The latest refreshed permit."""
+        return self._permit
+
+    @property
+    def id(self) -> str:
+        """The permit id (a task's id)."""
+        return self._permit.id
+
+    @property
+    def name(self) -> str:
+        """The semaphore's name."""
+        return self._permit.name
+
+    @property
+    def token(self) -> int:
+        """The fencing token of this grant."""
+        return self._permit.token
+
+    @property
+    def expires_at(self) -> int:
+        """Lease expiry after the latest refresh, server milliseconds."""
+        return self._permit.expires_at
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease was found lost."""
+        return self._lost
+
+    def check(self) -> None:
+        """Raise :class:`~celery_redsem.PermitLost` if the lease was lost."""
+        if self._lost:
+            raise self.lost_error()
+
+    def lost_error(self) -> PermitLost:
+        """The :class:`~celery_redsem.PermitLost` describing this permit's loss."""
+        return PermitLost(
+            f"permit {self.id!r} of {self.name!r} (task {self.task_name or '?'}) lost its lease "
+            "while the task ran; another holder may have started",
+            name=self.name,
+            permit_id=self.id,
+        )
+
+    # -- used by the task guard ------------------------------------------------------------
+
+    def arm(self) -> None:
+        """From now on a loss under the "raise" policy interrupts this thread."""
+        with self._lock:
+            self.thread_id = threading.get_ident()
+            self._armed = True
+
+    def disarm(self) -> None:
+        """No more interrupts; cancel one that was scheduled but has not arrived yet."""
+        with self._lock:
+            self._armed = False
+            if self._injected:
+                _set_async_exc(self.thread_id, None)
+
+    # -- used by the heartbeat -------------------------------------------------------------
+
+    def _confirm(self, permit: Permit, at: float) -> None:
+        with self._lock:
+            if self._tracked:
+                self._permit = permit
+                self._confirmed_at = max(self._confirmed_at, at)
+                self._failures = 0
+                self._next_due = self._confirmed_at + permit.lease / 3
+
+    def _failed(self, now: float) -> bool:
+        """After a refresh error: schedule a retry; True if the lease could have run out."""
+        with self._lock:
+            self._failures += 1
+            delay = min(_FIRST_RETRY * 2 ** (self._failures - 1), self._permit.lease / 6)
+            self._next_due = now + delay
+            return now >= self._confirmed_at + self._permit.lease
+
+    def _mark_lost(self) -> bool:
+        """Flag the loss (and interrupt the body under "raise"); False if already handled."""
+        with self._lock:
+            if not self._tracked or self._lost:
+                return False
+            self._lost = True
+            self._tracked = False
+            if self.lost_lease_policy == "raise" and self._armed and not self._injected:
+                self._injected = _set_async_exc(self.thread_id, LeaseInterrupt) == 1
+            return True
+
+
+class Heartbeat:
+    """Refreshes every tracked :class:`HeldPermit` of this process from one daemon thread."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: set[HeldPermit] = set()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def track(self, held: HeldPermit) -> HeldPermit:
+        """Start refreshing ``held`` (and start the thread if needed)."""
+        with held._lock:
+            held._tracked = True
+        with self._lock:
+            self._held.add(held)
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(
+                    target=_run,
+                    args=(weakref.ref(self), self._wake),
+                    name="redsem-heartbeat",
+                    daemon=True,
+                )
+                self._thread.start()
+        self._wake.set()
+        return held
+
+    def untrack(self, held: HeldPermit) -> None:
+        """Stop refreshing ``held``; call before releasing it."""
+        with held._lock:
+            held._tracked = False
+        with self._lock:
+            self._held.discard(held)
+
+    def held(self) -> list[HeldPermit]:
+        """The permits being refreshed now."""
+        with self._lock:
+            return list(self._held)
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop the thread (it restarts on the next :meth:`track`)."""
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def beat(self) -> float:
+        """Refresh what is due; return the seconds until the next refresh is due."""
+        now = self._clock()
+        with self._lock:
+            held = list(self._held)
+        if not held:
+            return _IDLE_WAIT
+        slack = min(h.permit.lease for h in held) / 6
+        groups: dict[tuple[int, float], list[HeldPermit]] = {}
+        for h in held:
+            if h._next_due <= now + slack:
+                groups.setdefault((id(h.client), h.idle_ttl), []).append(h)
+        for group in groups.values():
+            self._refresh(group)
+        with self._lock:
+            held = list(self._held)
+        if not held:
+            return _IDLE_WAIT
+        return max(0.0, min(h._next_due for h in held) - self._clock())
+
+    def _refresh(self, group: list[HeldPermit]) -> None:
+        sent_at = self._clock()
+        try:
+            result = refresh_permits(
+                group[0].client, [h.permit for h in group], idle_ttl=group[0].idle_ttl
+            )
+        except (BackendError, redis.RedisError) as exc:
+            now = self._clock()
+            for h in group:
+                if h._failed(now):
+                    self._lose(h, f"no refresh succeeded for a whole lease ({exc})")
+            logger.warning(
+                "celery_redsem: refreshing %d permit(s) failed, will retry: %s", len(group), exc
+            )
+            return
+        by_key = {(h.id, h.name, h.permit.prefix): h for h in group}
+        for permit in result.refreshed:
+            by_key[(permit.id, permit.name, permit.prefix)]._confirm(permit, sent_at)
+        for permit in result.lost:
+            self._lose(by_key[(permit.id, permit.name, permit.prefix)], "expired or released")
+
+    def _lose(self, held: HeldPermit, why: str) -> None:
+        with self._lock:
+            self._held.discard(held)
+        if held._mark_lost():
+            logger.error(
+                "celery_redsem: permit %r of %r (task %s, token %d) lost its lease: %s",
+                held.id,
+                held.name,
+                held.task_name or "?",
+                held.token,
+                why,
+            )
+
+
+def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:
+    """Thread body: holds the heartbeat only weakly, so an abandoned one lets the thread end."""
+    while True:
+        heartbeat = ref()
+        if heartbeat is None or heartbeat._stopping:
+            return
+        wake.clear()
+        try:
+            wait = heartbeat.beat()
+        except Exception:  # the thread must survive anything; the next beat retries
+            logger.exception("celery_redsem: heartbeat failed")
+            wait = _FIRST_RETRY
+        del heartbeat
+        wake.wait(wait)
+
+
+_heartbeat: Heartbeat | None = None
+_heartbeat_lock = threading.Lock()
+
+
+def get_heartbeat() -> Heartbeat:
+    """This process's heartbeat (created on first use)."""
+    global _heartbeat  # noqa: PLW0603
+    with _heartbeat_lock:
+        if _heartbeat is None:
+            _heartbeat = Heartbeat()
+        return _heartbeat
+
+
+def _after_fork_in_child() -> None:
+    global _heartbeat, _heartbeat_lock  # noqa: PLW0603
+    _heartbeat = None
+    _heartbeat_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,171 @@
+"""The worker's main process: free the permits of tasks whose child cannot, check Redis at start.
+
+A pool child releases its permit in a ``finally``. When the child cannot (it was killed by a
+hard time limit, ``revoke(terminate=True)``, a cold shutdown or ``SIGKILL``), the main process
+releases by task id, which frees whatever grant or place in line the id has:
+
+* At ``worker_init`` every guarded task gets a :class:`ReleasingRequest` subclass of its
+  ``Request`` class (Celery's documented extension point). It releases on a failure that means
+  the child is gone or being killed (``WorkerLostError``, ``Terminated``, hard
+  ``TimeLimitExceeded``) *before* Celery may requeue the message, and after ``terminate()`` /
+  ``cancel()`` (revoke with terminate, cold shutdown) have signalled the child.
+* ``task_revoked`` for a task revoked before it ran gives up its place in the waiting line.
+
+Warm shutdown needs nothing: running tasks finish and release in the child; tasks waiting with
+a countdown keep their place and come back after redelivery. On a hard time limit the pool
+kills the child right after these callbacks, so the child may run a few milliseconds past the
+release.
+
+At worker start a warning is logged when Redis' ``maxmemory-policy`` could evict semaphore keys.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import billiard.einfo
+import redis
+from billiard.einfo import ExceptionInfo
+from celery import Celery, Task
+from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
+from celery.signals import task_revoked, worker_init
+from celery.utils.imports import symbol_by_name
+from celery.worker.request import Request
+
+from .config import get_client, get_config
+from .errors import RedsemError
+from .semaphore import RedisClient
+from .task_guard import guards_of, iter_guarded_tasks
+
+__all__ = ["ReleasingRequest", "check_eviction_policy", "install_request_class", "release_task"]
+
+logger = logging.getLogger(__name__)
+
+_WITH_TRACEBACK: Any = getattr(billiard.einfo, "ExceptionWithTraceback", ())
+_CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
+
+
+def release_task(task: Task[Any, Any], task_id: str, args: Any, kwargs: Any) -> int:
+    """Release every permit or place that ``task_id`` has for ``task``'s guards; how many."""
+    guards = guards_of(task)
+    if not guards or not task_id:
+        return 0
+    call_args = tuple(args or ())
+    if inspect.ismethod(task.run):  # bind=True: the function also receives the task
+        call_args = (task, *call_args)
+    released = 0
+    for guard in guards:
+        try:
+            released += guard.release_by_id(
+                task.app, task.name, call_args, dict(kwargs or {}), task_id
+            )
+        except RedsemError as exc:
+            logger.warning("celery_redsem: could not release %s[%s]: %s", task.name, task_id, exc)
+    if released:
+        logger.info(
+            "celery_redsem: released the permit of %s[%s] for its lost child", task.name, task_id
+        )
+    return released
+
+
+class ReleasingRequest(Request):
+    """A worker request that frees its task's permit when the pool child cannot."""
+
+    def _redsem_release(self) -> None:
+        task = self.task
+        if task is not None:
+            release_task(task, self.id, self.args, self.kwargs)
+
+    def on_failure(
+        self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        exc = exc_info.exception
+        if isinstance(exc, _WITH_TRACEBACK):
+            exc = exc.exc
+        if isinstance(exc, _CHILD_GONE):
+            self._redsem_release()  # before super(): it may requeue the message
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            self._redsem_release()
+        super().on_timeout(soft, timeout)
+
+    def terminate(self, pool: Any, signal: Any = None) -> None:
+        super().terminate(pool, signal)
+        if self.time_start:
+            self._redsem_release()
+
+    def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
+        super().cancel(pool, signal, emit_retry)
+        if self.time_start:
+            self._redsem_release()
+
+
+def install_request_class(task: Task[Any, Any]) -> type[Request]:
+    """Give ``task`` a :class:`ReleasingRequest` built on its current ``Request`` class."""
+    base: type[Request] = symbol_by_name(task.Request)
+    if issubclass(base, ReleasingRequest):
+        return base
+    if base is Request:
+        cls: type[Request] = ReleasingRequest
+    else:
+        cls = type(f"Releasing{base.__name__}", (ReleasingRequest, base), {"__module__": __name__})
+    setattr(task, "Request", cls)  # noqa: B010 (the stubs type Request as a str)
+    return cls
+
+
+_EVICTING = ("allkeys-", "volatile-")
+
+
+def check_eviction_policy(client: RedisClient) -> str | None:
+    """A warning if the server's ``maxmemory-policy`` could evict semaphore keys, else None.
+
+    Semaphore keys carry TTLs, so ``volatile-*`` policies can evict them as well as
+    ``allkeys-*``. A server with ``CONFIG`` disabled or unreachable gives None (logged at debug).
+    """
+    try:
+        reply = client.config_get("maxmemory-policy")
+    except redis.RedisError as exc:
+        logger.debug("celery_redsem: cannot read maxmemory-policy: %s", exc)
+        return None
+    value = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
+    policy = value.decode() if isinstance(value, bytes) else value
+    if isinstance(policy, str) and policy.startswith(_EVICTING):
+        return (
+            f"celery_redsem: Redis maxmemory-policy is {policy!r}: under memory pressure the "
+            "server may evict semaphore keys and let more tasks run than the limit allows; use "
+            "'noeviction' (or a separate Redis for semaphores)"
+        )
+    return None
+
+
+@worker_init.connect(weak=False, dispatch_uid="celery_redsem.worker.on_worker_init")
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    app: Celery | None = getattr(sender, "app", None)
+    if app is None:
+        return
+    guarded = [task for task, _guards in iter_guarded_tasks(app)]
+    if not guarded:
+        return
+    for task in guarded:
+        install_request_class(task)
+    try:
+        config = get_config(app)
+        if config.check_eviction_policy:
+            warning = check_eviction_policy(get_client(app))
+            if warning:
+                logger.warning(warning)
+    except RedsemError as exc:
+        logger.error("celery_redsem: %s", exc)
+
+
+@task_revoked.connect(weak=False, dispatch_uid="celery_redsem.worker.on_task_revoked")
+def _on_task_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+) -> None:
+    if terminated or request is None or not isinstance(sender, Task):
+        return  # a terminated task is released by ReleasingRequest.terminate
+    release_task(sender, request.id, request.args, request.kwargs)

@@ -1,0 +1,163 @@
+"""Fixtures for the Celery integration: test apps, in-process and subprocess workers."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_redsem import FairSemaphore, get_client
+from tests.celery.tasks import make_app
+from tests.servers import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+# Celery's Redis result backend calls redis-py's ``setex``, which redis-py 8 deprecates.
+_THIRD_PARTY_WARNINGS = ["ignore:Call to deprecated setex:DeprecationWarning"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.path)).parents:
+            for spec in _THIRD_PARTY_WARNINGS:
+                item.add_marker(pytest.mark.filterwarnings(spec))
+
+
+def _delete_prefix(url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match=f"{prefix}:*", count=500):
+            client.delete(key)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def module_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix for one test module's apps, broker and results; deleted by SCAN afterwards."""
+    value = f"redsemtest-{uuid.uuid4().hex[:12]}"
+    yield value
+    _delete_prefix(redis_url, value)
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
+    """The test app (tasks in tests/celery/tasks.py), not the default app."""
+    application = make_app(redis_url, module_prefix)
+    yield application
+    gc.collect()  # AsyncResults in reference cycles unsubscribe while the server is still up
+    application.close()
+
+
+@pytest.fixture(scope="module")
+def worker(app: Celery) -> Iterator[object]:
+    """An in-process worker (threads pool, 4 slots) consuming the test app's queue."""
+    with start_worker(
+        app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30
+    ) as w:
+        yield w
+
+
+@pytest.fixture
+def key() -> str:
+    """A key no other test uses."""
+    return uuid.uuid4().hex[:10]
+
+
+def holder(app: Celery, name: str, limit: int = 1, lease: float = 30.0) -> FairSemaphore:
+    """The semaphore ``name`` as the app's tasks see it, for holding it from the test."""
+    return FairSemaphore(
+        get_client(app), name, limit, lease=lease, prefix=app.conf.redsem_key_prefix
+    )
+
+
+class WorkerProcess:
+    """A real ``celery worker`` subprocess in its own process group."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        prefix: str,
+        name: str,
+        concurrency: int,
+        log: Path,
+        *extra: str,
+        conf: dict[str, object] | None = None,
+    ) -> None:
+        env = {
+            **os.environ,
+            "REDSEM_TEST_APP_URL": redis_url,
+            "REDSEM_TEST_APP_PREFIX": prefix,
+            "REDSEM_TEST_APP_CONF": json.dumps(conf or {}),
+            "PYTHONPATH": str(ROOT),
+        }
+        self.log_path = log
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.celery.worker_app",
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                str(concurrency),
+                "-n",
+                f"{name}@%h",
+                "-l",
+                "INFO",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        wait_until(
+            lambda: "ready." in self.log() or self.proc.poll() is not None,
+            timeout,
+            what="worker ready",
+        )
+        assert self.proc.poll() is None, self.log()
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        """Warm shutdown, then kill the whole process group whatever happens."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(15)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            self._log.close()

@@ -1,0 +1,179 @@
+"""The test tasks, registered on a fresh app by :func:`make_app` (for every kind of worker).
+
+Task bodies count themselves in and out with a Lua script on their own Redis connection, so the
+tests check the semaphore against an independent counter: ``<prefix>:t:cur:<key>`` (running now),
+``<prefix>:t:max:<key>`` (most at once) and ``<prefix>:t:log:<key>`` (start/end events in order).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_redsem import current_permit, with_lock, with_semaphore
+from celery_redsem.task_guard import WAIT_HEADER
+
+_ENTER = """
+local c = redis.call('INCR', KEYS[1])
+if c > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], c) end
+redis.call('RPUSH', KEYS[3], 'start ' .. ARGV[1])
+return c
+"""
+_EXIT = """
+redis.call('DECR', KEYS[1])
+redis.call('RPUSH', KEYS[3], 'end ' .. ARGV[1])
+return 1
+"""
+
+
+def bad_key(mode: str) -> object:
+    """A key function that misbehaves on demand."""
+    if mode == "raise":
+        raise RuntimeError("key function exploded")
+    return {"none": None, "int": 5, "huge": "x" * 10_000, "braces": "a{b}", "good": "fine"}[mode]
+
+
+def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
+    """An app on ``redis_url`` whose broker, results and semaphores all live under ``prefix``."""
+    app = Celery("redsemtest", set_as_current=False)
+    app.conf.update(
+        broker_url=redis_url,
+        result_backend=redis_url,
+        broker_transport_options={"global_keyprefix": f"{prefix}:kombu:"},
+        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+        broker_connection_retry_on_startup=True,
+        redsem_key_prefix=prefix,
+        redsem_lease=1.0,
+        redsem_retry_backoff=0.05,
+        redsem_retry_backoff_max=0.5,
+        worker_hijack_root_logger=False,
+        task_track_started=True,
+    )
+    app.conf.update(conf)
+    clients: dict[int, redis.Redis] = {}
+
+    def counter() -> redis.Redis:
+        pid = os.getpid()
+        if pid not in clients:
+            clients[pid] = redis.Redis.from_url(redis_url)
+        return clients[pid]
+
+    def keys(key: str) -> list[str]:
+        return [f"{prefix}:t:cur:{key}", f"{prefix}:t:max:{key}", f"{prefix}:t:log:{key}"]
+
+    def enter(key: str, task_id: str) -> None:
+        counter().eval(_ENTER, 3, *keys(key), task_id)
+
+    def leave(key: str, task_id: str) -> None:
+        counter().eval(_EXIT, 3, *keys(key), task_id)
+
+    def counted_body(key: str, task_id: str, seconds: float) -> None:
+        enter(key, task_id)
+        try:
+            time.sleep(seconds)
+        finally:
+            leave(key, task_id)
+
+    def describe(request: Any) -> dict[str, Any]:
+        held = current_permit()
+        assert held is not None
+        wait = (request.headers or {}).get(WAIT_HEADER) or [0, 0, 0]
+        return {
+            "retries": request.retries,
+            "contention_retries": wait[0],
+            "token": held.token,
+            "name": held.name,
+            "lost": held.lost,
+            "same_as_request": getattr(request, "redsem_permit", None) is held,
+        }
+
+    @app.task(shared=False, bind=True, name="t.counted", max_retries=0)
+    @with_semaphore(limit=3, key=lambda key: f"counted:{key}")
+    def counted(self: Any, key: str, seconds: float = 0.1) -> dict[str, Any]:
+        counted_body(key, self.request.id, seconds)
+        return describe(self.request)
+
+    @app.task(shared=False, name="t.locked", max_retries=0)
+    @with_lock(key=lambda key: f"locked:{key}")
+    def locked(key: str, seconds: float = 0.0) -> dict[str, Any]:
+        request = locked.request
+        counted_body(key, request.id or "direct", seconds)
+        return describe(request)
+
+    @app.task(shared=False, bind=True, name="t.until_killed")
+    @with_lock(key=lambda key: f"killed:{key}", lease=10.0)
+    def until_killed(self: Any, key: str) -> str:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "survived"
+
+    @app.task(shared=False, bind=True, name="t.until_killed_short_lease")
+    @with_lock(key=lambda key: f"killed:{key}")  # the app's 1 s lease
+    def until_killed_short_lease(self: Any, key: str) -> str:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "survived"
+
+    @app.task(shared=False, bind=True, name="t.hard_limit", time_limit=1)
+    @with_lock(key=lambda key: f"hard:{key}", lease=10.0)
+    def hard_limit(self: Any, key: str) -> str:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        time.sleep(30)
+        return "survived"
+
+    @app.task(shared=False, bind=True, name="t.soft_limit", soft_time_limit=0.5)
+    @with_lock(key=lambda key: f"soft:{key}")
+    def soft_limit(self: Any, key: str) -> str:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "survived"
+
+    @app.task(shared=False, bind=True, name="t.lost_raises")
+    @with_lock(key=lambda key: f"lost:{key}", lost_lease_policy="raise")
+    def lost_raises(self: Any, key: str) -> str:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+        return "not interrupted"
+
+    @app.task(shared=False, bind=True, name="t.ways_out", max_retries=1)
+    @with_lock(key=lambda key: f"ways:{key}")
+    def ways_out(self: Any, key: str, how: str) -> str:
+        if how == "raise":
+            raise ValueError("body failed")
+        if how == "retry" and self.request.retries == 0:
+            raise self.retry(countdown=0.05)
+        if how == "ignore":
+            raise Ignore()
+        if how == "reject":
+            raise Reject("rejected", requeue=False)
+        return f"{how}:{self.request.retries}"
+
+    @app.task(shared=False, name="t.bad_key")
+    @with_semaphore(limit=2, key=bad_key)
+    def bad_key_task(mode: str) -> str:
+        return "ran"
+
+    @app.task(shared=False, name="t.budget")
+    @with_lock(key=lambda key: f"budget:{key}", max_wait=0.5)
+    def budget(key: str) -> str:
+        return "ran"
+
+    @app.task(shared=False, bind=True, name="t.fifo")
+    @with_lock(key=lambda key, tag: f"fifo:{key}")
+    def fifo(self: Any, key: str, tag: str) -> str:
+        counter().rpush(f"{prefix}:t:order:{key}", tag)
+        return tag
+
+    return app

@@ -1,0 +1,113 @@
+"""Settings read from app.conf (plain and Django-namespaced), per-app caching, fork-safe clients."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from celery import Celery
+
+from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config
+from celery_redsem.config import SETTINGS
+
+
+def _app(**conf: object) -> Celery:
+    app = Celery("cfgtest", set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+def test_defaults_match_the_settings_table() -> None:
+    config = RedsemConfig.from_conf({})
+    for setting in SETTINGS:
+        attr = setting.name.removeprefix("redsem_")
+        if attr in ("redis_url", "redis_options"):
+            continue
+        assert getattr(config, attr) == setting.default, setting.name
+    assert len({s.name for s in SETTINGS}) == len(SETTINGS)
+
+
+def test_django_namespace_is_read_through_app_conf() -> None:
+    class Settings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_REDSEM_REDIS_URL = "redis://example:6379/3"
+        CELERY_REDSEM_LEASE = 4
+        CELERY_REDSEM_MAX_WAIT = None
+        CELERY_REDSEM_LOST_LEASE_POLICY = "raise"
+
+    app = Celery("djangolike", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    config = get_config(app)
+    assert config.redis_url == "redis://example:6379/3"
+    assert config.lease == 4.0
+    assert config.max_wait is None
+    assert config.lost_lease_policy == "raise"
+
+
+def test_url_falls_back_to_a_redis_result_backend_then_broker() -> None:
+    assert (
+        get_config(_app(result_backend="rediss://h:1/2", broker_url="redis://b/0")).redis_url
+        == "rediss://h:1/2"
+    )
+    config = get_config(_app(result_backend="rpc://", broker_url="redis://b:1/0;redis://c:1/0"))
+    assert (config.redis_url, config.redis_url_source) == ("redis://b:1/0", "broker_url")
+
+
+def test_no_redis_anywhere_is_a_clear_error_at_first_use() -> None:
+    app = _app(broker_url="amqp://guest@localhost//", result_backend="rpc://")
+    assert get_config(app).redis_url is None  # reading the config does not fail ...
+    with pytest.raises(ConfigurationError, match="redsem_redis_url"):
+        get_client(app)  # ... using it does
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fragment"),
+    [
+        ("redsem_lease", "ten", "number of seconds > 0"),
+        ("redsem_lease", 0, "number of seconds > 0"),
+        ("redsem_max_wait", -1, "or None"),
+        ("redsem_retry_jitter", "yes", "True or False"),
+        ("redsem_lost_lease_policy", "panic", "'log' or 'raise'"),
+        ("redsem_redis_options", ["socket_timeout"], "dict"),
+        ("redsem_key_prefix", "a{b}", "non-empty str"),
+    ],
+)
+def test_bad_settings_name_the_setting(name: str, value: object, fragment: str) -> None:
+    with pytest.raises(
+        ConfigurationError, match=f"{name} \\(Django: CELERY_{name.upper()}\\)"
+    ) as info:
+        get_config(_app(**{name: value}))
+    assert fragment in str(info.value)
+
+
+def test_config_and_client_are_per_app(redis_url: str) -> None:
+    one, two = (
+        _app(redsem_redis_url=redis_url, redsem_lease=1),
+        _app(redsem_redis_url=redis_url, redsem_lease=2),
+    )
+    assert get_config(one) is get_config(one)
+    assert (get_config(one).lease, get_config(two).lease) == (1.0, 2.0)
+    assert get_client(one) is get_client(one)
+    assert get_client(one) is not get_client(two)
+
+
+def test_a_forked_child_builds_its_own_client(redis_url: str) -> None:
+    app = _app(redsem_redis_url=redis_url)
+    parent_client = get_client(app)
+    assert parent_client.ping()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report whether it got a different, working client
+        try:
+            child_client = get_client(app)
+            ok = child_client is not parent_client and child_client.ping()
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    assert get_client(app) is parent_client
+    assert parent_client.ping()

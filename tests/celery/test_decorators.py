@@ -1,0 +1,82 @@
+"""Decoration-time checks and naming by argument name (no worker needed)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+from celery_redsem import ConfigurationError, KeyFunctionError, with_lock, with_semaphore
+from celery_redsem.task_guard import guards_of
+
+
+def buy_item(self: Any, account_id: int, item_id: int, qty: int = 1) -> None:
+    """A task body."""
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "3", None])
+def test_a_wrong_limit_fails_at_decoration(limit: object) -> None:
+    with pytest.raises(ConfigurationError, match="limit of buy_item"):
+        with_semaphore(limit, key="k")(buy_item)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("key", "fragment"),
+    [
+        (lambda acount_id: acount_id, "asks for 'acount_id', which is not a parameter"),
+        ("a{b}", "must not contain"),
+        ("", "must not be empty"),
+        (42, "must be a str or a callable"),
+    ],
+)
+def test_a_wrong_key_fails_at_decoration(key: object, fragment: str) -> None:
+    with pytest.raises(ConfigurationError, match=fragment):
+        with_semaphore(2, key=key)(buy_item)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("lease", 0), ("max_wait", -1), ("lost_lease_policy", "panic")]
+)
+def test_wrong_options_fail_at_decoration(option: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        with_lock("k", **{option: value})(buy_item)  # type: ignore[arg-type]
+
+
+def test_wrapper_keeps_the_function_identity_and_carries_its_guard() -> None:
+    wrapped = with_semaphore(5, key=lambda account_id: f"market:{account_id}")(buy_item)
+    assert wrapped.__name__ == "buy_item"
+    assert wrapped.__doc__ == "A task body."
+    assert wrapped.__wrapped__ is buy_item  # type: ignore[attr-defined]
+    (guard,) = guards_of(type("T", (), {"run": staticmethod(wrapped)})())
+    assert guard.limit == 5
+
+
+def test_key_receives_arguments_by_name_however_they_were_passed() -> None:
+    (guard,) = guards_of(
+        type(
+            "T",
+            (),
+            {
+                "run": staticmethod(
+                    with_semaphore(
+                        5, key=lambda item_id, account_id, qty: f"{account_id}/{item_id}/{qty}"
+                    )(buy_item)
+                )
+            },
+        )()
+    )
+    assert guard.name_for("t", (None, 1, 2), {}) == "1/2/1"  # defaults too
+    assert guard.name_for("t", (None,), {"item_id": 2, "account_id": 1, "qty": 3}) == "1/2/3"
+    stacked = with_lock("global")(functools.partial(buy_item))  # any callable with a signature
+    assert stacked.__redsem_guard__.name_for("t", (None, 1, 2), {}) == "global"  # type: ignore[attr-defined]
+
+
+def test_key_with_kwargs_gets_everything() -> None:
+    wrapped = with_semaphore(2, key=lambda **kw: f"{kw['account_id']}")(buy_item)
+    guard = wrapped.__redsem_guard__  # type: ignore[attr-defined]
+    assert guard.name_for("t", (None, 7, 8), {}) == "7"
+    with pytest.raises(KeyFunctionError, match="returned None"):
+        with_semaphore(2, key=lambda account_id: None)(buy_item).__redsem_guard__.name_for(
+            "t", (None, 1, 2), {}
+        )  # type: ignore[attr-defined]

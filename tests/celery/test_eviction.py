@@ -1,0 +1,30 @@
+"""The worker-start check of Redis' eviction policy, against real servers."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from celery_redsem.worker import check_eviction_policy
+from tests.servers import embedded_valkey
+
+
+@pytest.mark.parametrize(
+    ("policy", "warns"), [("noeviction", False), ("allkeys-lru", True), ("volatile-ttl", True)]
+)
+def test_warns_when_keys_could_be_evicted(policy: str, warns: bool) -> None:
+    with embedded_valkey(**{"maxmemory-policy": policy}) as url:
+        client = redis.Redis.from_url(url)
+        warning = check_eviction_policy(client)
+        client.close()
+    assert (warning is not None) == warns
+    if warns:
+        assert warning is not None
+        assert policy in warning
+
+
+def test_a_server_without_config_is_tolerated() -> None:
+    with embedded_valkey(**{"rename-command": 'CONFIG ""'}) as url:
+        client = redis.Redis.from_url(url)
+        assert check_eviction_policy(client) is None
+        client.close()

@@ -1,0 +1,191 @@
+"""Behaviour of guarded tasks in a real in-process worker (threads pool) on the test server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import redis
+from celery import Celery
+from celery.signals import task_postrun, task_retry
+
+from celery_redsem import AcquireTimeout, KeyFunctionError
+from tests.celery.conftest import holder
+from tests.servers import wait_until
+
+
+@pytest.fixture(scope="module")
+def events() -> Iterator[dict[str, Counter[str]]]:
+    """Per task id: how many times each state ended a run (postrun) and how many retries."""
+    seen: dict[str, Counter[str]] = {}
+    lock = threading.Lock()
+
+    def on_postrun(task_id: str = "", state: str | None = None, **_: object) -> None:
+        with lock:
+            seen.setdefault(task_id, Counter())[str(state)] += 1
+
+    def on_retry(request: object = None, **_: object) -> None:
+        with lock:
+            seen.setdefault(getattr(request, "id", ""), Counter())["retry-signal"] += 1
+
+    task_postrun.connect(on_postrun, weak=False)
+    task_retry.connect(on_retry, weak=False)
+    yield seen
+    task_postrun.disconnect(on_postrun)
+    task_retry.disconnect(on_retry)
+
+
+def test_body_sees_its_permit_and_it_is_released(app: Celery, worker: object, key: str) -> None:
+    out = app.tasks["t.locked"].delay(key, 0.01).get(timeout=10)
+    assert out["name"] == f"locked:{key}"
+    assert out["token"] > 0
+    assert not out["lost"]
+    assert out["same_as_request"]  # self.request.redsem_permit is current_permit()
+    state = holder(app, f"locked:{key}").state()
+    assert state.holders == []
+    assert state.waiters == []
+
+
+def test_key_gets_arguments_by_name_positional_or_keyword(
+    app: Celery, worker: object, key: str
+) -> None:
+    by_position = app.tasks["t.counted"].delay(key, 0.01).get(timeout=10)
+    by_keyword = (
+        app.tasks["t.counted"].apply_async(kwargs={"seconds": 0.01, "key": key}).get(timeout=10)
+    )
+    assert by_position["name"] == by_keyword["name"] == f"counted:{key}"
+
+
+def test_contention_retries_keep_the_place_and_spare_max_retries(
+    app: Celery, worker: object, key: str, events: dict[str, Counter[str]]
+) -> None:
+    sem = holder(app, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    result = app.tasks["t.locked"].delay(key)  # max_retries=0
+    wait_until(
+        lambda: [w.permit_id for w in sem.state().waiters] == [result.id], 10, what="in line"
+    )
+    ticket = sem.state().waiters[0].ticket
+    wait_until(lambda: events.get(result.id, Counter())["retry-signal"] >= 3, 10, what="3 retries")
+    assert result.state == "RETRY"
+    assert [(w.permit_id, w.ticket) for w in sem.state().waiters] == [(result.id, ticket)]
+    sem.release(blocker)
+    out = result.get(timeout=10)
+    assert out["retries"] == 0  # the task's own retry count is untouched
+    assert out["contention_retries"] >= 3  # more than max_retries=0 would have allowed
+    assert app.tasks["t.locked"].max_retries == 0
+
+
+def test_waiting_line_is_served_first_come_first_served(
+    app: Celery, worker: object, key: str
+) -> None:
+    sem = holder(app, f"fifo:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    results = []
+    for tag in "abcde":
+        results.append(app.tasks["t.fifo"].delay(key, tag))
+        wait_until(lambda: len(sem.state().waiters) == len(results), 10, what=f"{tag} in line")
+    sem.release(blocker)
+    assert [r.get(timeout=20) for r in results] == list("abcde")
+    order = redis.Redis.from_url(app.conf.broker_url).lrange(
+        f"{app.conf.redsem_key_prefix}:t:order:{key}", 0, -1
+    )
+    assert order == [b"a", b"b", b"c", b"d", b"e"]
+
+
+def test_spent_wait_budget_fails_visibly_and_leaves_the_line(
+    app: Celery, worker: object, key: str
+) -> None:
+    sem = holder(app, f"budget:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    result = app.tasks["t.budget"].delay(key)
+    with pytest.raises(AcquireTimeout, match=r"max_wait=0\.5"):
+        result.get(timeout=15)
+    assert result.state == "FAILURE"
+    assert sem.state().waiters == []
+    sem.release(blocker)
+
+
+@pytest.mark.parametrize(
+    ("mode", "fragment"),
+    [
+        ("raise", "raised RuntimeError('key function exploded')"),
+        ("none", "returned None"),
+        ("int", "returned int 5, not a str"),
+        ("huge", "10000 characters long"),
+        ("braces", "must not contain '{' or '}'"),
+    ],
+)
+def test_bad_key_fails_visibly_naming_task_and_key(
+    app: Celery, worker: object, mode: str, fragment: str, redis_client: redis.Redis
+) -> None:
+    pattern = f"{app.conf.redsem_key_prefix}:{{*"
+    before = set(redis_client.scan_iter(match=pattern, count=500))
+    result = app.tasks["t.bad_key"].delay(mode)
+    with pytest.raises(KeyFunctionError) as info:
+        result.get(timeout=10)
+    assert result.state == "FAILURE"
+    message = str(info.value)
+    assert "task t.bad_key" in message
+    assert "key function bad_key (" in message
+    assert fragment in message
+    assert set(redis_client.scan_iter(match=pattern, count=500)) <= before  # nothing leaked
+
+
+@pytest.mark.parametrize(
+    ("how", "final"),
+    [
+        ("ok", "SUCCESS"),
+        ("raise", "FAILURE"),
+        ("retry", "SUCCESS"),
+        ("ignore", "IGNORED"),
+        ("reject", "REJECTED"),
+    ],
+)
+def test_permit_is_released_on_every_way_out_of_the_body(
+    app: Celery, worker: object, key: str, how: str, final: str, events: dict[str, Counter[str]]
+) -> None:
+    result = app.tasks["t.ways_out"].delay(key, how)
+    wait_until(lambda: events.get(result.id, Counter())[final] >= 1, 10, what=f"{how} -> {final}")
+    state = holder(app, f"ways:{key}").state()
+    assert state.holders == []
+    assert state.waiters == []
+    if how == "retry":
+        assert events[result.id]["RETRY"] == 1
+        assert result.get(timeout=5) == "retry:1"
+
+
+def test_eager_mode_blocks_for_a_bounded_time(redis_url: str, module_prefix: str, key: str) -> None:
+    from tests.celery.tasks import make_app
+
+    eager = make_app(redis_url, module_prefix, task_always_eager=True, redsem_eager_timeout=0.3)
+    sem = holder(eager, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    started = time.monotonic()
+    result = eager.tasks["t.locked"].delay(key)
+    assert result.state == "FAILURE"
+    with pytest.raises(AcquireTimeout, match=r"redsem_eager_timeout=0\.3"):
+        result.get()
+    assert time.monotonic() - started < 5
+    assert [w.permit_id for w in sem.state().waiters] == []  # gave up its place
+    sem.release(blocker)
+    assert eager.tasks["t.locked"].delay(key).get()["name"] == f"locked:{key}"
+    assert eager.tasks["t.locked"].apply(args=(key,)).get()["contention_retries"] == 0
+    assert eager.tasks["t.locked"](key)["name"] == f"locked:{key}"  # a direct call
+    assert sem.state().holders == []
+    eager.close()
+
+
+def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worker: object) -> None:
+    from celery.utils.imports import symbol_by_name
+
+    from celery_redsem.worker import ReleasingRequest
+
+    assert issubclass(symbol_by_name(app.tasks["t.locked"].Request), ReleasingRequest)

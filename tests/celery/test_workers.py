@@ -1,0 +1,171 @@
+"""Real ``celery worker`` subprocesses (prefork): limits across workers, kills, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+
+from celery_redsem import PermitLost
+from tests.celery.conftest import WorkerProcess, holder
+from tests.servers import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def workers(
+    redis_url: str, module_prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[WorkerProcess]]:
+    """Two prefork workers with 4 slots each, consuming the default queue.
+
+    They never wait at the head of the line (``redsem_head_wait=0``), so contention always goes
+    through Celery retries.
+    """
+    logs = tmp_path_factory.mktemp("workers")
+    conf = {"redsem_head_wait": 0.0}
+    procs = [
+        WorkerProcess(redis_url, module_prefix, f"w{i}", 4, logs / f"w{i}.log", conf=conf)
+        for i in range(2)
+    ]
+    try:
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+        if os.environ.get("REDSEM_TEST_SHOW_WORKER_LOGS"):
+            for proc in procs:
+                print(proc.log())
+
+
+def _counter(app: Celery) -> redis.Redis:
+    return redis.Redis.from_url(app.conf.broker_url)
+
+
+def _pid(app: Celery, key: str) -> int:
+    value = wait_until(
+        lambda: _counter(app).get(f"{app.conf.redsem_key_prefix}:t:pid:{key}"),
+        20,
+        what="task started",
+    )
+    assert isinstance(value, bytes)
+    return int(value)
+
+
+def test_limit_is_never_exceeded_across_workers(app: Celery, workers: list[WorkerProcess]) -> None:
+    keys = ["alpha", "beta"]
+    results = [app.tasks["t.counted"].delay(keys[i % 2], 0.15) for i in range(40)]
+    outs = [r.get(timeout=60) for r in results]
+    prefix = app.conf.redsem_key_prefix
+    for key in keys:
+        assert int(_counter(app).get(f"{prefix}:t:max:{key}") or 0) == 3  # reached, never passed
+        assert int(_counter(app).get(f"{prefix}:t:cur:{key}") or 0) == 0
+    assert all(out["retries"] == 0 for out in outs)  # max_retries=0, yet ...
+    assert max(out["contention_retries"] for out in outs) >= 1  # ... they waited through retries
+    for key in keys:
+        state = holder(app, f"counted:{key}", 3).state()
+        assert state.holders == []
+        assert state.waiters == []
+
+
+def test_sigkill_of_a_child_frees_its_permit(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    result = app.tasks["t.until_killed_short_lease"].delay(key)  # lease 1 s
+    pid = _pid(app, key)
+    sem = holder(app, f"killed:{key}")
+    assert [h.permit_id for h in sem.state().holders] == [result.id]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: sem.state().holders == [], 2.5, what="permit freed")
+    assert time.monotonic() - killed < 2.5  # one lease (no heartbeat any more) + margin
+    with pytest.raises(WorkerLostError):  # and the main process saw the loss
+        result.get(timeout=15)
+
+
+def test_revoke_with_terminate_frees_the_permit(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    result = app.tasks["t.until_killed"].delay(key)
+    _pid(app, key)
+    sem = holder(app, f"killed:{key}")
+    assert [h.permit_id for h in sem.state().holders] == [result.id]
+    result.revoke(terminate=True)
+    wait_until(lambda: sem.state().holders == [], 3, what="permit freed")  # lease is 10 s
+    wait_until(lambda: result.state == "REVOKED", 10, what="revoked")
+
+
+def test_hard_time_limit_frees_the_permit(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    result = app.tasks["t.hard_limit"].delay(key)  # time_limit=1, lease 10 s
+    _pid(app, key)
+    sem = holder(app, f"hard:{key}")
+    wait_until(lambda: sem.state().holders == [], 4, what="permit freed")
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=10)
+
+
+def test_soft_time_limit_releases_in_the_child(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    result = app.tasks["t.soft_limit"].delay(key)
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=15)
+    assert holder(app, f"soft:{key}").state().holders == []
+
+
+def test_a_task_running_many_leases_keeps_its_permit(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    long = app.tasks["t.locked"].delay(key, 6.0)  # lease is 1 s
+    sem = holder(app, f"locked:{key}")
+    wait_until(
+        lambda: [h.permit_id for h in sem.state().holders] == [long.id], 20, what="long task holds"
+    )
+    short = app.tasks["t.locked"].delay(key, 0.0)
+    out = long.get(timeout=30)
+    assert not out["lost"]
+    short.get(timeout=30)
+    prefix = app.conf.redsem_key_prefix
+    log = [e.decode() for e in _counter(app).lrange(f"{prefix}:t:log:{key}", 0, -1)]
+    assert log == [f"start {long.id}", f"end {long.id}", f"start {short.id}", f"end {short.id}"]
+    assert int(_counter(app).get(f"{prefix}:t:max:{key}") or 0) == 1
+
+
+def test_raise_policy_interrupts_the_body_on_a_lost_lease(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    result = app.tasks["t.lost_raises"].delay(key)
+    _pid(app, key)
+    sem = holder(app, f"lost:{key}")
+    assert sem.release(result.id)  # someone takes the permit away (an operator, an expiry)
+    taken = time.monotonic()
+    with pytest.raises(PermitLost, match="lost its lease"):
+        result.get(timeout=15)
+    assert time.monotonic() - taken < 5  # the body was interrupted, not run to its end (30 s)
+
+
+def test_cold_shutdown_frees_the_permit_from_the_main_process(
+    app: Celery, redis_url: str, module_prefix: str, key: str, tmp_path: Path
+) -> None:
+    cold = WorkerProcess(redis_url, module_prefix, "cold", 1, tmp_path / "cold.log", "-Q", "cold")
+    try:
+        cold.wait_ready()
+        result = app.tasks["t.until_killed"].apply_async((key,), queue="cold")
+        _pid(app, key)
+        sem = holder(app, f"killed:{key}")
+        assert [h.permit_id for h in sem.state().holders] == [result.id]
+        cold.signal(signal.SIGQUIT)
+        wait_until(lambda: sem.state().holders == [], 5, what="permit freed")  # lease is 10 s
+    finally:
+        cold.stop()
