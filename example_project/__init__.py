@@ -1,0 +1,1 @@
+"""The celery_redsem example: a Django + Celery marketplace (see README.md in this folder)."""

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class MarketConfig(AppConfig):
+    name = "market"
+    verbose_name = "Marketplace"

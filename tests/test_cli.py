@@ -1,0 +1,199 @@
+"""``celery redsem`` against a real server, through click's runner and celery's own command."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+
+import pytest
+import redis
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner, Result
+
+from celery_redsem import FairSemaphore, Lock, Permit
+from celery_redsem.cli import redsem
+from celery_redsem.config import reset
+
+#: Set by the ``app`` fixture so that ``celery -A tests.test_cli:cli_app`` finds it.
+cli_app: Celery | None = None
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    global cli_app  # noqa: PLW0603
+    app = Celery("redsem-cli-test", broker="memory://", set_as_current=False)
+    app.conf.redsem_redis_url = redis_url
+    app.conf.redsem_key_prefix = prefix
+    cli_app = app
+    yield app
+    cli_app = None
+    reset(app)
+
+
+def run(app: Celery, *args: str, stdin: str | None = None) -> Result:
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    return CliRunner().invoke(redsem, list(args), obj=obj, input=stdin)
+
+
+@pytest.fixture
+def busy(redis_client: redis.Redis, prefix: str) -> dict[str, Permit]:
+    """``market:alice`` full (2 of 2) with one waiter; ``report:1`` held by one task."""
+    sem = FairSemaphore(redis_client, "market:alice", 2, prefix=prefix, lease=30)
+    held = {pid: sem.acquire(permit_id=pid) for pid in ("task-a", "task-b")}
+    sem.attempt("task-c", join_line=True)
+    held["task-r"] = Lock(redis_client, "report:1", prefix=prefix, lease=30).acquire(
+        permit_id="task-r"
+    )
+    assert all(isinstance(p, Permit) for p in held.values())
+    return held  # type: ignore[return-value]
+
+
+def test_the_entry_point_gives_celery_the_redsem_group():
+    (ep,) = [ep for ep in entry_points(group="celery.commands") if ep.name == "redsem"]
+    assert ep.load() is redsem
+    from celery.bin.celery import celery
+
+    assert celery.commands["redsem"] is redsem
+
+
+def test_status_lists_holders_waiters_and_last_token(app, busy):
+    result = run(app, "status")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "market:alice  limit 2  held 2/2  waiting 1" in out
+    assert f"last token {busy['task-b'].token}" in out
+    assert "holder  task-a" in out
+    assert "waiter  #1  task-c" in out
+    assert "report:1  limit 1  held 1/1" in out
+    assert out.index("market:alice") < out.index("report:1")
+
+
+def test_status_json_for_scripts(app, busy, prefix):
+    result = run(app, "status", "market:*", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert (data["prefix"], data["total"]) == (prefix, 1)
+    (sem,) = data["semaphores"]
+    assert sem["name"] == "market:alice"
+    assert sem["limit"] == 2
+    assert sem["last_token"] == busy["task-b"].token
+    assert [h["permit_id"] for h in sem["holders"]] == ["task-a", "task-b"]
+    assert all(25_000 < h["remaining_ms"] <= 30_000 for h in sem["holders"])
+    assert [w["permit_id"] for w in sem["waiters"]] == ["task-c"]
+
+
+def test_status_says_when_nothing_matches_and_caps_the_list(app, busy):
+    assert "No semaphore" in run(app, "status", "nothing:*").output
+    capped = run(app, "status", "--max", "1")
+    assert "report:1" not in capped.output
+    assert "... and 1 more" in capped.output
+
+
+def test_inspect_one_semaphore(app, busy):
+    result = run(app, "inspect", "market:alice")
+    assert result.exit_code == 0, result.output
+    assert "holders (2," in result.output
+    assert "waiter  #1  task-c" in result.output
+    data = json.loads(run(app, "inspect", "market:alice", "--json").output)
+    assert data["exists"] is True
+    assert data["key_ttls_ms"]
+    assert all(ttl > 0 for ttl in data["key_ttls_ms"].values())
+
+
+def test_inspect_an_unknown_semaphore_exits_1(app, busy):
+    result = run(app, "inspect", "market:nobody")
+    assert result.exit_code == 1
+    assert "No semaphore 'market:nobody'" in result.output
+    missing = run(app, "inspect", "market:nobody", "--json")
+    assert missing.exit_code == 1
+    assert json.loads(missing.stdout)["exists"] is False
+
+
+def test_a_bad_name_is_a_one_line_error(app):
+    result = run(app, "inspect", "bad{name}")
+    assert result.exit_code == 1
+    assert "must not contain" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_release_frees_a_holder_logs_it_and_wakes_the_line(app, busy, redis_client, prefix, caplog):
+    caplog.set_level(logging.INFO, logger="celery_redsem.admin")
+    result = run(app, "release", "market:alice", "task-a")
+    assert result.exit_code == 0, result.output
+    assert f"Released the permit of task-a in market:alice (token {busy['task-a'].token})" in (
+        result.output
+    )
+    assert "force release by" in caplog.text
+    assert "task-a" in caplog.text
+    sem = FairSemaphore(redis_client, "market:alice", 2, prefix=prefix, lease=30)
+    assert [h.permit_id for h in sem.holders()] == ["task-b"]
+    # The waiter first in line gets the freed permit; the old grant cannot be refreshed.
+    assert isinstance(sem.attempt("task-c", join_line=True), Permit)
+    assert not sem.release(busy["task-a"])
+
+
+def test_release_of_a_waiter_and_of_nothing(app, busy):
+    waiter = run(app, "release", "market:alice", "task-c", "--json")
+    assert json.loads(waiter.output)["released"] == "waiter"
+    again = run(app, "release", "market:alice", "task-c")
+    assert again.exit_code == 1
+    assert "holds no permit and no place in line" in again.output
+
+
+def test_purge_asks_first(app, busy, redis_client, prefix):
+    refused = run(app, "purge", stdin="n\n")
+    assert refused.exit_code == 1
+    assert "2 semaphore(s)" in refused.output
+    assert "3 live permit(s)" in refused.output
+    assert any(redis_client.scan_iter(match=f"{prefix}:*"))
+
+    done = run(app, "purge", "market:*", stdin="y\n")
+    assert done.exit_code == 0, done.output
+    assert "Purged 1 semaphore(s)." in done.output
+    left = {k.decode() for k in redis_client.scan_iter(match=f"{prefix}:*")}
+    assert left
+    assert all("{report:1}" in k for k in left)
+
+
+def test_purge_yes_json(app, busy, redis_client, prefix):
+    result = run(app, "purge", "--yes", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["purged"] == 2
+    assert not any(redis_client.scan_iter(match=f"{prefix}:*"))
+
+
+def test_url_and_prefix_options_override_the_app(redis_url, busy, prefix):
+    other = Celery("redsem-cli-other", broker="memory://", set_as_current=False)
+    other.conf.redsem_redis_url = "redis://127.0.0.1:1/0"  # never used: --url wins
+    try:
+        result = run(other, "--url", redis_url, "--prefix", prefix, "status", "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["total"] == 2
+    finally:
+        reset(other)
+
+
+def test_errors_are_one_line_not_a_traceback(redis_url, prefix):
+    bad = Celery("redsem-cli-bad", broker="memory://", set_as_current=False)
+    bad.conf.redsem_redis_url = "redis://127.0.0.1:1/0"
+    bad.conf.redsem_redis_options = {"socket_connect_timeout": 0.5}
+    try:
+        result = run(bad, "status")
+        assert result.exit_code == 1
+        assert "Error: Redis failed" in result.output
+        assert "Traceback" not in result.output
+    finally:
+        reset(bad)
+
+
+def test_through_celerys_own_command_line(app, busy):
+    from celery.bin.celery import celery
+
+    result = CliRunner().invoke(
+        celery, ["-A", "tests.test_cli:cli_app", "redsem", "status", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["total"] == 2
