@@ -7,7 +7,9 @@ import time
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from celery_redsem import (
     AcquireTimeout,
@@ -362,7 +364,8 @@ def test_a_client_that_is_not_redis_is_refused():
 
 
 def test_unreachable_redis_is_a_backend_error():
-    client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    no_retries = Retry(NoBackoff(), 0)
+    client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=no_retries)
     sem = FairSemaphore(client, "sem", 2)
     with pytest.raises(Exception, match=r"Redis failed during acquire\.lua") as info:
         sem.acquire()
