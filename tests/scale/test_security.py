@@ -1,0 +1,189 @@
+"""ACL users with the documented minimal rule, passwords kept out of messages, and TLS."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
+
+from celery_redsem import FairSemaphore, Lock, Permit, read_state, refresh_permits
+from celery_redsem.admin import force_release, purge, states
+from celery_redsem.cli import redsem
+from celery_redsem.clients import client_from_url, redact_url
+from celery_redsem.config import reset
+from celery_redsem.errors import BackendError, ConfigurationError, NotEnoughReplicas
+from tests.scale.acl import LUA, PASSWORD, create_user, documented_acl_rule
+from tests.servers import ServerProcess, server_process, tls_redis, tls_unavailable_reason
+
+
+@pytest.fixture
+def private_server() -> Iterator[ServerProcess]:
+    """A server of this test alone: ACL users are server-wide."""
+    with server_process(tag="acl") as server:
+        yield server
+
+
+def test_the_documented_rule_allows_every_command_the_scripts_call():
+    allowed = {w[1:].lower() for w in documented_acl_rule().split() if w.startswith("+")}
+    called = set()
+    for path in LUA.glob("*.lua"):
+        called |= {
+            c.lower() for c in re.findall(r"redis\.p?call\(\s*['\"](\w+)['\"]", path.read_text())
+        }
+    assert called, "no redis.call found: the scan is broken"
+    assert called - allowed == set(), "add these to the ACL rule in docs/scaling.rst"
+
+
+def test_a_user_with_only_the_documented_rule_can_run_everything(private_server, prefix):
+    admin = private_server.client()
+    create_user(admin, prefix, "redsem-app")
+    url = f"redis://redsem-app:{PASSWORD}@127.0.0.1:{private_server.port}/0"
+    client = client_from_url(url, socket_timeout=5)
+    try:
+        _exercise_everything(client, prefix)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.set("somebody-else:key", 1)
+        other = FairSemaphore(client, "x", 1, prefix=f"not-{prefix}")
+        with pytest.raises(BackendError, match=r"(?i)no permissions"):
+            other.acquire()
+    finally:
+        client.close()
+        admin.close()
+
+
+def _exercise_everything(client: redis.Redis, prefix: str) -> None:
+    sem = FairSemaphore(client, "market:1", 2, lease=30, prefix=prefix)
+    first = sem.acquire(permit_id="task-1")
+    second = sem.acquire(permit_id="task-2")
+    assert isinstance(first, Permit)
+    assert isinstance(second, Permit)
+    assert sem.attempt("task-3", join_line=True).position == 1  # type: ignore[union-attr]
+    got: list[Permit | None] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(sem.acquire(blocking=True, timeout=10, permit_id="task-3"))
+    )
+    waiter.start()
+    assert sem.release(first)
+    waiter.join(10)
+    assert isinstance(got[0], Permit)
+    result = refresh_permits(client, [second, got[0]])
+    assert len(result.refreshed) == 2
+    assert [h.permit_id for h in read_state(client, "market:1", prefix=prefix).holders]
+    found, total = states(client, prefix=prefix)
+    assert total == 1
+    assert found[0].name == "market:1"
+    assert force_release(client, "market:1", "task-2", prefix=prefix).released == "holder"
+    acked = Lock(client, "acked", prefix=prefix, min_replicas=1, replica_timeout=0.05)
+    with pytest.raises(NotEnoughReplicas):  # WAIT and INFO allowed: the clear error, not NOPERM
+        acked.acquire()
+    assert purge(client, prefix=prefix) >= 1
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (f"redis://app:{PASSWORD}@h:6379/0", "redis://app:***@h:6379/0"),
+        (f"redis://:{PASSWORD}@h/0", "redis://:***@h/0"),
+        (f"rediss://app:{PASSWORD}@h:6380/0?ssl_ca_certs=/ca", "rediss://app:***@h:6380/0?ssl_ca_certs=/ca"),
+        (f"redis://h:6379/0?password={PASSWORD}&db=1", "redis://h:6379/0?password=***&db=1"),
+        (f"redis+cluster://app:{PASSWORD}@a:1,b:2,c:3", "redis+cluster://app:***@a:1,b:2,c:3"),
+        (
+            f"sentinel://:{PASSWORD}@s1:26379/0;sentinel://:{PASSWORD}@s2:26379/0",
+            "sentinel://:***@s1:26379/0;sentinel://:***@s2:26379/0",
+        ),
+        ("redis://app@h:6379/0", "redis://app@h:6379/0"),
+        ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2"),
+    ],
+)  # fmt: skip
+def test_redact_url_hides_every_password(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_passwords_stay_out_of_errors_reprs_logs_and_the_cli(private_server, prefix, caplog):
+    admin = private_server.client()
+    create_user(admin, prefix, "redsem-app")
+    admin.close()
+    caplog.set_level(logging.DEBUG)
+    messages: list[str] = []
+
+    wrong = f"redis://redsem-app:{PASSWORD}x@127.0.0.1:{private_server.port}/0"
+    client = client_from_url(wrong, socket_timeout=2)
+    messages.append(repr(client))
+    with pytest.raises(BackendError) as info:
+        Lock(client, "job", prefix=prefix).acquire()
+    messages += [str(info.value), repr(info.value), repr(info.value.__cause__)]
+    client.close()
+
+    unreachable = client_from_url(f"redis://redsem-app:{PASSWORD}@127.0.0.1:1/0", socket_timeout=1)
+    with pytest.raises(BackendError) as info:
+        Lock(unreachable, "job", prefix=prefix).acquire()
+    messages += [str(info.value), repr(info.value.__cause__)]
+    for bad in (f"foo://u:{PASSWORD}@h", f"redis+cluster://u:{PASSWORD}@h:1/3"):
+        with pytest.raises(ConfigurationError) as config_info:
+            client_from_url(bad)
+        messages.append(str(config_info.value))
+    with pytest.raises(ConfigurationError) as config_info:
+        client_from_url(f"sentinel://u:{PASSWORD}@h:26379")
+    messages.append(str(config_info.value))
+
+    app = Celery("redsem-secret-cli", broker="memory://", set_as_current=False)
+    app.conf.redsem_redis_url = wrong
+    app.conf.redsem_key_prefix = prefix
+    try:
+        obj = CLIContext(app=app, no_color=True, workdir=None)
+        result = CliRunner().invoke(redsem, ["status"], obj=obj)
+        messages.append(result.output)
+        assert result.exit_code != 0
+        result = CliRunner().invoke(redsem, ["--url", wrong, "inspect", "job"], obj=obj)
+        messages.append(result.output)
+    finally:
+        reset(app)
+    messages += [record.getMessage() for record in caplog.records]
+    leaked = [m for m in messages if PASSWORD in m]
+    assert leaked == []
+    assert any("WRONGPASS" in m or "invalid username-password" in m for m in messages)
+
+
+@pytest.fixture(scope="module")
+def tls_server() -> Iterator[object]:
+    reason = tls_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        with tls_redis() as server:
+            yield server
+    except RuntimeError as exc:  # the binary exists but was built without TLS
+        pytest.skip(f"redis-server cannot serve TLS here: {str(exc).splitlines()[0]}")
+
+
+def test_rediss_url_with_an_acl_user_over_tls(tls_server, prefix):
+    server = tls_server.server  # type: ignore[attr-defined]
+    admin = redis.Redis(
+        host="127.0.0.1",
+        port=server.port,
+        ssl=True,
+        ssl_ca_certs=str(tls_server.ca_file),  # type: ignore[attr-defined]
+    )
+    create_user(admin, prefix, "redsem-tls")
+    admin.close()
+    url = (
+        f"rediss://redsem-tls:{PASSWORD}@127.0.0.1:{server.port}/0"
+        f"?ssl_ca_certs={tls_server.ca_file}"  # type: ignore[attr-defined]
+    )
+    client = client_from_url(url, socket_timeout=5)
+    try:
+        assert isinstance(client.connection_pool.connection_class(), redis.SSLConnection)
+        _exercise_everything(client, prefix)
+    finally:
+        client.close()
+    plain = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5, retry=None)
+    with pytest.raises(redis.ConnectionError):
+        plain.ping()  # TLS only: a plain-text client gets nowhere
+    plain.close()
