@@ -73,6 +73,11 @@ class SemaphoreKeys:
         return f"{self.base}:wexp"
 
     @property
+    def waiter_due(self) -> str:
+        """Sorted set: permit id -> when the waiter said it would be back (server ms)."""
+        return f"{self.base}:wdue"
+
+    @property
     def wake_prefix(self) -> str:
         """Prefix of the per-waiter wake-up lists (``<wake_prefix><permit id>``)."""
         return f"{self.base}:wake:"
@@ -83,8 +88,9 @@ class SemaphoreKeys:
 
     @property
     def all(self) -> list[str]:
-        """The three keys the scripts receive, in the order they expect them."""
-        return [self.holders, self.waiters, self.waiter_expiry]
+        """Every key of the semaphore but the wake-up lists. The scripts are passed only
+        ``holders`` and derive the others from it (same hash tag, same cluster slot)."""
+        return [self.holders, self.waiters, self.waiter_expiry, self.waiter_due]
 
     @classmethod
     def scan_pattern(cls, prefix: str, name_pattern: str = "*") -> str:

@@ -55,8 +55,10 @@ local function helpers()
     return base .. 'waiters', base .. 'wexp', base .. 'wdue'
   end
 
-  -- How many of the first `n` waiters are due (back, or late) at `now`; counting stops at `cap`.
-  function h.due_ahead(waiters, wdue, n, queued, now, cap)
+  -- How many of the first `n` waiters (ranks 0..n-1; `mine` is the ticket at rank n, if any)
+  -- are due (back, or late) at `now`; counting stops at `cap`. It walks whichever is shorter:
+  -- the waiters ahead, or the due waiters. In Celery most waiters are away on a countdown.
+  function h.due_ahead(waiters, wdue, n, queued, mine, now, cap)
     if n <= 0 or cap <= 0 then
       return 0
     end
@@ -65,18 +67,32 @@ local function helpers()
       return math.min(due, cap)
     end
     local count = 0
-    for start = 0, n - 1, 100 do
-      local ids = redis.call('ZRANGE', waiters, start, math.min(start + 99, n - 1))
-      if #ids == 0 then
-        break
-      end
-      for _, score in ipairs(redis.call('ZMSCORE', wdue, unpack(ids))) do
-        if score and tonumber(score) <= now then
+    local function tally(scores, ok)
+      for _, score in ipairs(scores) do
+        if score and ok(tonumber(score)) then
           count = count + 1
           if count >= cap then
-            return count
+            return true
           end
         end
+      end
+      return false
+    end
+    if due < n then -- walk the due waiters, count those with an earlier ticket
+      for start = 0, due - 1, 100 do
+        local ids = redis.call('ZRANGEBYSCORE', wdue, '-inf', now, 'LIMIT', start, 100)
+        if #ids == 0 or tally(redis.call('ZMSCORE', waiters, unpack(ids)),
+            function(ticket) return ticket < mine end) then
+          break
+        end
+      end
+      return count
+    end
+    for start = 0, n - 1, 100 do -- walk the waiters ahead, count the due ones
+      local ids = redis.call('ZRANGE', waiters, start, math.min(start + 99, n - 1))
+      if #ids == 0 or tally(redis.call('ZMSCORE', wdue, unpack(ids)),
+          function(at) return at <= now end) then
+        break
       end
     end
     return count

@@ -61,6 +61,9 @@ if mine then
   h = helpers()
   local token, expiry = h.parse(mine)
   if expiry > now then
+    if expires < next_expiry then -- a shorter lease than before: keep ':next' a lower bound
+      next_expiry = expires
+    end
     local entry = fmt(token) .. ':' .. expires
     save(id, entry, expires)
     return entry
@@ -69,14 +72,28 @@ if mine then
 end
 
 local held = fresh and 0 or redis.call('HLEN', holders) - COUNTERS
+if fresh then
+  -- The hash is new. If a waiting line outlived it (an admin deleted the hash, or memory
+  -- pressure evicted it), carry on from the line's own state so nobody jumps the queue.
+  h = h or helpers()
+  local line = h.sibling_keys(holders)
+  local last = redis.call('ZRANGE', line, -1, -1, 'WITHSCORES')
+  if last[2] then
+    ticket, queued = tonumber(last[2]), redis.call('ZCARD', line)
+  end
+end
 -- `ahead`: waiters before this caller whose place holds a permit now (they are due).
 local waiters, wexp, wdue, rank
 local ahead = 0
+-- This caller's ticket, if it is in line (asked for only when counting due waiters ahead).
+local function my_ticket()
+  return tonumber(redis.call('ZSCORE', waiters, id) or 0)
+end
 if queued > 0 then
   h = h or helpers()
   waiters, wexp, wdue = h.sibling_keys(holders)
   rank = redis.call('ZRANK', waiters, id) or nil
-  ahead = h.due_ahead(waiters, wdue, rank or queued, queued, now, limit - held)
+  ahead = h.due_ahead(waiters, wdue, rank or queued, queued, my_ticket(), now, limit - held)
 end
 
 if held + ahead >= limit then
@@ -93,7 +110,7 @@ if held + ahead >= limit then
     local before = queued
     queued = h.sweep_waiters(waiters, wexp, wdue, now)
     rank = queued > 0 and redis.call('ZRANK', waiters, id) or nil
-    ahead = h.due_ahead(waiters, wdue, rank or queued, queued, now, limit - held)
+    ahead = h.due_ahead(waiters, wdue, rank or queued, queued, my_ticket(), now, limit - held)
     freed = freed or queued < before
   end
   if freed then

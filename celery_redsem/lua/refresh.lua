@@ -12,18 +12,22 @@ local out = {}
 for i = 1, #KEYS do
   local holders = KEYS[i]
   local id, token, lease = ARGV[3 * i - 1], ARGV[3 * i], tonumber(ARGV[3 * i + 1])
-  local mine, horizon = unpack(redis.call('HMGET', holders, id, ':horizon'))
+  local mine, horizon, next_expiry = unpack(redis.call('HMGET', holders, id, ':horizon', ':next'))
   out[i] = 0
   if mine and string.match(mine, '^(%d+):') == token then
     local expiry = tonumber(string.match(mine, ':(%d+)$'))
     if expiry > now then
       local expires = now + lease
+      local entry = token .. ':' .. expires
+      if tonumber(next_expiry or 0) > expires then -- a shorter lease: keep ':next' a lower bound
+        redis.call('HSET', holders, ':next', expires)
+      end
       horizon = tonumber(horizon or 0)
       if horizon < expires + math.floor(idle_ttl / 2) then
-        redis.call('HSET', holders, id, token .. ':' .. expires, ':horizon', expires + idle_ttl)
+        redis.call('HSET', holders, id, entry, ':horizon', expires + idle_ttl)
         redis.call('PEXPIREAT', holders, expires + idle_ttl)
       else
-        redis.call('HSET', holders, id, token .. ':' .. expires)
+        redis.call('HSET', holders, id, entry)
       end
       out[i] = expires
     else
