@@ -305,9 +305,8 @@ class FairSemaphore:
             self.release(permit)
 
     def _poll_cap(self) -> float:
-        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
-        socket_timeout = kwargs.get("socket_timeout")
-        return math.inf if not socket_timeout else max(0.01, socket_timeout * 0.8)
+        """The longest wake-up wait (BLPOP) that stays clear of the client's socket timeout."""
+        return blocking_wait_cap(self.client)
 
     def _wait_for_wake(self, permit_id: str, seconds: float) -> None:
         try:
@@ -403,6 +402,19 @@ class Lock(FairSemaphore):
             min_replicas=min_replicas,
             replica_timeout=replica_timeout,
         )
+
+
+def blocking_wait_cap(client: RedisClient) -> float:
+    """Seconds a blocking command (BLPOP) may wait on ``client`` without hitting its socket
+    timeout: the timeout less a margin (``inf`` if it has none)."""
+    if isinstance(client, RedisCluster):
+        kwargs = client.get_connection_kwargs()  # type: ignore[no-untyped-call]
+    else:
+        kwargs = client.connection_pool.connection_kwargs
+    socket_timeout = kwargs.get("socket_timeout")
+    if not socket_timeout:
+        return math.inf
+    return max(0.01, float(socket_timeout) - max(0.1, 0.2 * float(socket_timeout)))
 
 
 def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> SemaphoreState:

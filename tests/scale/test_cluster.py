@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -153,6 +154,19 @@ def test_a_blocked_waiter_is_woken_by_a_release(cluster_client, scale_prefix):
     assert len(got) == 1
     assert isinstance(got[0], Permit)
     assert got[0].token > held.token
+
+
+def test_a_blocking_wait_stays_clear_of_the_socket_timeout(cluster, scale_prefix):
+    # The waiter lease (30 s) would make each wake-up wait 10 s; the socket times out at 0.5 s.
+    client = cluster.client(socket_timeout=0.5)
+    try:
+        lock = Lock(client, "slow", lease=30, prefix=scale_prefix)
+        assert lock.acquire() is not None
+        started = time.monotonic()
+        assert lock.acquire(blocking=True, timeout=1.5) is None  # no socket timeout error
+        assert time.monotonic() - started >= 1.4
+    finally:
+        client.close()
 
 
 def test_concurrent_holders_never_exceed_the_limit(cluster_client, scale_prefix):
