@@ -5,16 +5,17 @@ hard time limit, ``revoke(terminate=True)``, a cold shutdown or ``SIGKILL``), th
 releases by task id, which frees whatever grant or place in line the id has:
 
 * At ``worker_init`` every guarded task gets a :class:`ReleasingRequest` subclass of its
-  ``Request`` class (Celery's documented extension point). It releases on a failure that means
-  the child is gone or being killed (``WorkerLostError``, ``Terminated``, hard
-  ``TimeLimitExceeded``) *before* Celery may requeue the message, and after ``terminate()`` /
-  ``cancel()`` (revoke with terminate, cold shutdown) have signalled the child.
+  ``Request`` class (Celery's documented extension point). It releases when the child is gone
+  (``WorkerLostError``, ``Terminated``: the pool has reaped it) *before* Celery may requeue the
+  message. Where the pool is about to kill a live child (hard time limit, cold shutdown) it
+  kills it first (``SIGKILL``), then releases: a permit is never free while its body can still
+  run. ``revoke(terminate=True)`` only signals the child; a child that survives the signal
+  (say ``SIGUSR1``, a soft time limit) releases in its own ``finally``, one that dies is
+  released on ``Terminated``.
 * ``task_revoked`` for a task revoked before it ran gives up its place in the waiting line.
 
 Warm shutdown needs nothing: running tasks finish and release in the child; tasks waiting with
-a countdown keep their place and come back after redelivery. On a hard time limit the pool
-kills the child right after these callbacks, so the child may run a few milliseconds past the
-release.
+a countdown keep their place and come back after redelivery.
 
 At worker start a warning is logged when Redis' ``maxmemory-policy`` could evict semaphore keys.
 """
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import signal
+from contextlib import suppress
 from typing import Any
 
 import billiard.einfo
@@ -44,7 +48,7 @@ __all__ = ["ReleasingRequest", "check_eviction_policy", "install_request_class",
 logger = logging.getLogger(__name__)
 
 _WITH_TRACEBACK: Any = getattr(billiard.einfo, "ExceptionWithTraceback", ())
-_CHILD_GONE = (WorkerLostError, Terminated, TimeLimitExceeded, SystemExit, KeyboardInterrupt)
+_CHILD_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
 
 
 def release_task(task: Task[Any, Any], task_id: str, args: Any, kwargs: Any) -> int:
@@ -53,7 +57,9 @@ def release_task(task: Task[Any, Any], task_id: str, args: Any, kwargs: Any) -> 
     if not guards or not task_id:
         return 0
     call_args = tuple(args or ())
-    if inspect.ismethod(task.run):  # bind=True: the function also receives the task
+    # bind=True: the function also receives the task. (autoretry_for replaces ``run`` with a
+    # plain function and keeps the bound one as ``_orig_run``.)
+    if inspect.ismethod(getattr(task, "_orig_run", task.run)):
         call_args = (task, *call_args)
     released = 0
     for guard in guards:
@@ -78,29 +84,36 @@ class ReleasingRequest(Request):
         if task is not None:
             release_task(task, self.id, self.args, self.kwargs)
 
+    def _redsem_kill_child(self) -> None:
+        """SIGKILL the child running this task: the pool is about to; its permit is freed next."""
+        pid = self.worker_pid
+        if pid and int(pid) != os.getpid():
+            with suppress(ProcessLookupError, PermissionError):
+                os.kill(int(pid), signal.SIGKILL)
+
     def on_failure(
         self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
         exc = exc_info.exception
         if isinstance(exc, _WITH_TRACEBACK):
             exc = exc.exc
-        if isinstance(exc, _CHILD_GONE):
+        if isinstance(exc, TimeLimitExceeded):  # hard limit: the child is still alive
+            self._redsem_kill_child()
+            self._redsem_release()
+        elif isinstance(exc, _CHILD_GONE):
             self._redsem_release()  # before super(): it may requeue the message
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         if not soft:
+            self._redsem_kill_child()
             self._redsem_release()
         super().on_timeout(soft, timeout)
 
-    def terminate(self, pool: Any, signal: Any = None) -> None:
-        super().terminate(pool, signal)
-        if self.time_start:
-            self._redsem_release()
-
     def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
         super().cancel(pool, signal, emit_retry)
-        if self.time_start:
+        if self.time_start:  # cold shutdown: the worker may exit before the child is reaped
+            self._redsem_kill_child()
             self._redsem_release()
 
 
@@ -124,18 +137,21 @@ def check_eviction_policy(client: RedisClient) -> str | None:
     """A warning if the server's ``maxmemory-policy`` could evict semaphore keys, else None.
 
     Semaphore keys carry TTLs, so ``volatile-*`` policies can evict them as well as
-    ``allkeys-*``. A server with ``CONFIG`` disabled or unreachable gives None (logged at debug).
+    ``allkeys-*``. Read from ``INFO memory`` (which the documented ACL rule allows, unlike
+    ``CONFIG GET``); on a cluster every node is checked. A server that does not tell gives None
+    (logged at debug).
     """
     try:
-        reply = client.config_get("maxmemory-policy")
+        reply = client.info("memory")
     except redis.RedisError as exc:
         logger.debug("celery_redsem: cannot read maxmemory-policy: %s", exc)
         return None
-    value = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
-    policy = value.decode() if isinstance(value, bytes) else value
-    if isinstance(policy, str) and policy.startswith(_EVICTING):
+    per_node = reply.values() if "maxmemory_policy" not in reply else [reply]
+    policies = {str(node.get("maxmemory_policy")) for node in per_node if isinstance(node, dict)}
+    evicting = sorted(p for p in policies if p.startswith(_EVICTING))
+    if evicting:
         return (
-            f"celery_redsem: Redis maxmemory-policy is {policy!r}: under memory pressure the "
+            f"celery_redsem: Redis maxmemory-policy is {evicting[0]!r}: under memory pressure the "
             "server may evict semaphore keys and let more tasks run than the limit allows; use "
             "'noeviction' (or a separate Redis for semaphores)"
         )
@@ -167,5 +183,5 @@ def _on_task_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
     if terminated or request is None or not isinstance(sender, Task):
-        return  # a terminated task is released by ReleasingRequest.terminate
+        return  # a terminated task is released in its child, or on Terminated
     release_task(sender, request.id, request.args, request.kwargs)
