@@ -40,36 +40,54 @@ from redis.exceptions import RedisClusterException
 from .errors import BackendError, ConfigurationError
 from .semaphore import RedisClient
 
-__all__ = ["CLUSTER_SCHEMES", "SENTINEL_OPTIONS", "client_from_url", "redact_url"]
+__all__ = ["CLUSTER_SCHEMES", "SENTINEL_OPTIONS", "client_from_url", "redact_url", "scrub"]
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
-_SECRET_QUERY = re.compile(r"(?i)([?&](?:password|sentinel_password)=)[^&#;]*")
+_SECRET_QUERY = re.compile(r"(?i)([?&]\w*password=)[^&#;]*")
 
 
 def redact_url(url: str) -> str:
     """``url`` with every password replaced by ``***``, safe for logs and error messages.
 
-    Handles ``;``-separated Sentinel lists, comma-separated cluster nodes and ``?password=``.
+    Handles ``;``-separated Sentinel lists, comma-separated cluster nodes, ``?password=`` (and
+    ``?ssl_password=`` ...), and passwords with ``/``, ``?``, ``#``, ``;`` or ``@`` in them: all
+    of the address up to its last ``@`` is treated as the user part (over-redacting is safe).
     """
-    return ";".join(_redact_one(chunk) for chunk in str(url).split(";"))
+    text = str(url)
+    chunks = text.split(";") if text.lower().startswith("sentinel://") else [text]
+    return ";".join(_redact_one(chunk) for chunk in chunks)
 
 
 def _redact_one(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if sep:
-        end = len(rest)
-        for stop in "/?#":
-            found = rest.find(stop)
-            if found != -1:
-                end = min(end, found)
-        netloc, tail = rest[:end], rest[end:]
-        userinfo, at, hosts = netloc.rpartition("@")
+        userinfo, at, after = rest.rpartition("@")
         if at and ":" in userinfo:
-            netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
-        url = f"{scheme}{sep}{netloc}{tail}"
+            url = f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{after}"
+        elif at and "/" in userinfo:  # no user:password form, but not a plain user either
+            url = f"{scheme}{sep}***@{after}"
     return _SECRET_QUERY.sub(r"\1***", url)
+
+
+def _secrets(url: str) -> list[str]:
+    """The password in ``url`` and the pieces a URL parser may quote from it."""
+    found: list[str] = []
+    for chunk in url.split(";"):
+        userinfo, at, _ = chunk.partition("://")[2].rpartition("@")
+        if at and ":" in userinfo:
+            found.append(userinfo.split(":", 1)[1])
+    found += [m.group(0).split("=", 1)[1] for m in re.finditer(r"(?i)\w*password=[^&#;]*", url)]
+    pieces = [piece for secret in found for piece in re.split(r"[/?#;@:&]", secret)]
+    return sorted({s for s in [*found, *pieces] if len(s) >= 3}, key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (say, a parser's error message about ``url``) with the URL's passwords removed."""
+    for secret in _secrets(url):
+        text = text.replace(secret, "***")
+    return text
 
 
 def client_from_url(url: str, **options: Any) -> RedisClient:
@@ -95,13 +113,17 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
         if scheme == "sentinel":
             return _sentinel_client(url, **options)
     except RedisClusterException as exc:
-        raise BackendError(f"cannot reach the cluster at {redact_url(url)!r}: {exc}") from exc
+        reason = scrub(str(exc), url)
+        raise BackendError(f"cannot reach the cluster at {redact_url(url)!r}: {reason}") from exc
     except redis.RedisError as exc:
-        raise BackendError(f"Redis failed for {redact_url(url)!r}: {exc}") from exc
+        raise BackendError(f"Redis failed for {redact_url(url)!r}: {scrub(str(exc), url)}") from exc
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigurationError):
             raise
-        raise ConfigurationError(f"bad Redis URL or option for {redact_url(url)!r}: {exc}") from exc
+        reason = scrub(str(exc), url)
+        raise ConfigurationError(
+            f"bad Redis URL or option for {redact_url(url)!r}: {reason}"
+        ) from exc
     raise ConfigurationError(
         f"unsupported Redis URL scheme {scheme!r} in {redact_url(url)!r}; use redis://, "
         "rediss://, unix://, redis+cluster://, rediss+cluster:// or sentinel://"

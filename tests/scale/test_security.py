@@ -106,6 +106,28 @@ def test_redact_url_hides_every_password(url, shown):
     assert redact_url(url) == shown
 
 
+@pytest.mark.parametrize("secret", ["s3cr/et-pw", "pa?ss#wo;rd", "we@ird:qzx9", "x/y?z#w"])
+def test_passwords_with_url_characters_stay_hidden(secret):
+    url = f"redis://app:{secret}@127.0.0.1:6379/0"
+    assert secret not in redact_url(url)
+    pieces = [p for p in re.split(r"[/?#;@:]", secret) if len(p) >= 3]
+    shown = [redact_url(url)]
+    try:
+        client_from_url(url).close()
+    except (ConfigurationError, BackendError) as exc:
+        shown.append(str(exc))
+    for text in shown:
+        assert secret not in text
+        assert not [p for p in pieces if p in text.replace("127.0.0.1", "")]
+    obj = CLIContext(
+        app=Celery("redsem-pw", broker="memory://", set_as_current=False),
+        no_color=True,
+        workdir=None,
+    )
+    result = CliRunner().invoke(redsem, ["--url", url, "status"], obj=obj)
+    assert not [p for p in pieces if p in result.output]
+
+
 def test_passwords_stay_out_of_errors_reprs_logs_and_the_cli(private_server, prefix, caplog):
     admin = private_server.client()
     create_user(admin, prefix, "redsem-app")
