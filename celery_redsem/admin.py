@@ -49,7 +49,7 @@ def iter_names(
 ) -> Iterator[str]:
     """Names of the semaphores under ``prefix`` whose name matches the glob ``pattern``.
 
-    Unordered, each name once. A semaphore is found by its ``meta`` key, which outlives its other
+    Unordered, each name once. A semaphore is found by its ``holders`` key, which outlives its other
     keys, so an idle semaphore is listed until its keys expire.
     """
     prefix = validate_prefix(prefix)
@@ -159,7 +159,10 @@ def purge(client: RedisClient, *, prefix: str = DEFAULT_PREFIX, pattern: str = "
     purged = 0
     try:
         for name, keys in sorted(groups.items()):
-            deleted = int(client.delete(*keys))
+            # Every named key, not only those SCAN returned: a waiting line must never outlive
+            # its holders hash (tickets would restart), and SCAN may miss keys added meanwhile.
+            named = set(SemaphoreKeys(prefix, name).all)
+            deleted = int(client.delete(*sorted(named.union(keys))))
             if deleted:
                 purged += 1
                 logger.warning("purge: deleted %d keys of semaphore %r", deleted, name)
