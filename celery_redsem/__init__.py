@@ -13,6 +13,7 @@ from .errors import (
     BackendError,
     ConfigurationError,
     KeyFunctionError,
+    NotEnoughReplicas,
     PermitLost,
     RedsemError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "HolderInfo",
     "KeyFunctionError",
     "Lock",
+    "NotEnoughReplicas",
     "Permit",
     "PermitLost",
     "RedsemConfig",
