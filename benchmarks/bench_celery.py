@@ -7,16 +7,23 @@ a unique prefix that is deleted afterwards.
 N short tasks (default 400 x 50 ms) over K keys (8) with limit L per key (3) run on W worker
 slots (2 prefork workers x 8). All tasks are sent at once, keys in a seeded random order.
 
-* ``fair``: ``@with_semaphore`` (FIFO line, position-aware backoff countdowns).
+* ``fair``: ``@with_semaphore`` (FIFO line; a near permit is awaited in the slot, else a
+  contention retry with a position-aware countdown).
 * ``naive``: the same semaphore tried without joining the line, retried with a fixed countdown
   (``--naive-countdown``, 0.1 s), the usual pattern of Celery lock plugins.
+
+Before the first mode, ``--warmup`` uncontended guarded tasks (4 per slot, on keys and a task
+name of their own) let every pool child connect to Redis and load the scripts, as a worker that
+has been up for a while has; nothing the measured tasks learn (hold times, return delays) comes
+from them. ``--warmup 0`` measures from cold children.
 
 Each body counts itself in and out of a per-key counter that nothing else touches; a count
 above L is an over-admission. ``wait`` is body start minus send time. The ideal is a simulated
 work-conserving FIFO dispatcher with W slots and limit L per key, the same send times and the
 measured mean body time: ``utilization`` = ideal makespan / real makespan, and ``p99 / ideal``
 compares wait percentiles. Targets (fair): utilization >= 0.85, p99 wait <= 2 x ideal p99, no
-over-admission.
+over-admission. ``--dump PATH`` writes each mode's send times and body records to
+``PATH.<mode>.json`` for a closer look.
 """
 
 from __future__ import annotations
@@ -94,7 +101,14 @@ def make_app(
         wait = (request.headers or {}).get(WAIT_HEADER) or [0]
         retries = wait[0] if mode == "fair" else request.retries
         record = json.dumps(
-            {"key": key, "sent": sent, "start": start, "end": end, "retries": retries}
+            {
+                "key": key,
+                "sent": sent,
+                "start": start,
+                "end": end,
+                "retries": retries,
+                "pid": os.getpid(),
+            }
         )
         client().rpush(f"{prefix}:b:{mode}:done", record)
 
@@ -102,6 +116,12 @@ def make_app(
     @with_semaphore(limit=limit, key=lambda key: f"fair:{key}")
     def fair(self: Any, key: str, sent: float, seconds: float) -> None:
         body("fair", key, sent, seconds, self.request)
+
+    @app.task(shared=False, name="bench.warm")
+    @with_semaphore(limit=1, key=lambda i: f"warm:{i}")
+    def warm(i: int, seconds: float) -> None:
+        time.sleep(seconds)
+        client().incr(f"{prefix}:b:warm")
 
     @app.task(shared=False, bind=True, name="bench.plain")
     def plain(self: Any, key: str, sent: float, seconds: float) -> None:
@@ -257,6 +277,23 @@ def wait_workers_ready(app: Celery, count: int, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{count} workers did not come up within {timeout}s")
 
 
+def warm_up(app: Celery, client: redis.Redis, prefix: str, args: argparse.Namespace) -> None:
+    """Let every pool child connect and load the scripts before anything is measured.
+
+    Guarded tasks on keys of their own (no contention, and a task name of their own, so the
+    measured tasks start with nothing learnt), a few per slot, so that each child gets some.
+    """
+    if args.warmup <= 0:
+        return
+    for i in range(args.warmup):
+        app.tasks["bench.warm"].apply_async((i, 0.02))
+    deadline = time.monotonic() + args.timeout
+    while int(client.get(f"{prefix}:b:warm") or 0) < args.warmup:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"warm-up not done in {args.timeout}s")
+        time.sleep(0.05)
+
+
 def run_mode(
     app: Celery, client: redis.Redis, prefix: str, mode: str, args: argparse.Namespace
 ) -> Result:
@@ -277,6 +314,9 @@ def run_mode(
             )
         time.sleep(0.05)
     records = [json.loads(r) for r in client.lrange(done_key, 0, -1)]
+    if args.dump:
+        with open(f"{args.dump}.{mode}.json", "w") as f:
+            json.dump({"sent": sent, "keys": keys, "records": records}, f)
     t0 = min(sent)
     makespan = max(r["end"] for r in records) - t0
     waits = [r["start"] - r["sent"] for r in records]
@@ -338,9 +378,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=0.05, help="seconds per task body")
     parser.add_argument("--prefetch", type=int, default=4, help="worker prefetch multiplier")
     parser.add_argument("--naive-countdown", type=float, default=0.1)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="uncontended guarded tasks run first so every pool child is connected "
+        "(default: 4 per slot; 0: none)",
+    )
     parser.add_argument("--modes", default="fair,naive,plain")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--dump", metavar="PATH", help="write each mode's records to PATH.MODE.json"
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -349,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         help="a redsem_* setting for the workers",
     )
     args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 4 * args.workers * args.concurrency
     args.settings = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     with bench_server() as server:
@@ -358,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         procs = start_workers(server.url, prefix, args, logs)
         try:
             wait_workers_ready(app, args.workers)
+            warm_up(app, client, prefix, args)
             results = [run_mode(app, client, prefix, mode, args) for mode in args.modes.split(",")]
         finally:
             stop_workers(procs)

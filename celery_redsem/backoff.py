@@ -1,12 +1,26 @@
-"""How long a task without a permit waits before it asks again.
+"""When a task without a permit waits in its worker slot, and when it asks again if it does not.
 
-A task at ``position`` in line behind ``limit`` holders reaches the head of the line after about
-``(position - limit) / limit`` hold times; that, a little early, is its countdown. Coming back
-early is cheap (the head of the line waits in its slot for a release, see ``redsem_head_wait``);
-coming back late leaves a permit that is reserved for it idle, and coming back much too early
-costs a retry. Until a hold time has been seen the countdown is Celery's own exponential
-backoff (``get_exponential_backoff_interval``, in milliseconds so sub-second factors work).
-Hold times are learnt per task name in each process (:class:`HoldTimes`).
+A task at ``position`` in line behind ``limit`` holders whose bodies take ``hold`` seconds gets
+a permit after about ``position * hold / limit`` seconds (each release moves the line by one).
+
+* **Waiting in the slot** (:func:`head_wait_budget`). A contention retry costs far more than its
+  countdown: Celery handles the ``Retry``, re-publishes the message, and the broker hands it
+  back only after every message queued before it, often much later than the countdown. When the
+  permit is a couple of holds away it is cheaper to wait for it in the slot, woken by the
+  release. A task waits when it is within the next two rounds of permits
+  (``position <= 2 * limit``) and its expected wait is within ``redsem_head_wait``; it gives up
+  after twice its expected wait. Until a hold time has been seen, only a task within the next
+  round (``position <= limit``) waits, for at most ``redsem_head_wait``.
+* **The countdown** (:func:`contention_countdown`). Otherwise the task is retried with a
+  countdown: the time until about ``position - limit`` holders have left, a little early; until
+  a hold time has been seen, Celery's own exponential backoff (``get_exponential_backoff_interval``,
+  in milliseconds so sub-second factors work).
+* **When it is really back** (:class:`ReturnDelays`). How late retried tasks come back after
+  their countdown (the broker's backlog, the worker's prefetch) is learnt per queue: a place in
+  line holds a free permit for its task only from about when the task is really back, so a
+  permit is not kept idle for a task still queued in the broker.
+
+Hold times and return delays are moving averages kept per process (bounded in size).
 """
 
 from __future__ import annotations
@@ -19,7 +33,26 @@ from collections import OrderedDict
 
 from celery.utils.time import get_exponential_backoff_interval
 
-__all__ = ["HoldTimes", "contention_countdown", "hold_times"]
+__all__ = [
+    "DEFAULT_RETURN_DELAY",
+    "HEAD_WAIT_ROUNDS",
+    "HoldTimes",
+    "ReturnDelays",
+    "contention_countdown",
+    "error_countdown",
+    "head_wait_budget",
+    "hold_times",
+    "return_delays",
+]
+
+#: A task waits in its slot only within this many rounds of permits (``position <= n * limit``).
+HEAD_WAIT_ROUNDS = 2
+#: The shortest wait in the slot worth trying (holds of a few ms would give uselessly short ones).
+MIN_HEAD_WAIT = 0.05
+#: Seconds a retried task is assumed to come back after its countdown until one has been seen.
+#: Too long is harmless (a task back before its place holds a permit just competes for a free
+#: one); too short keeps permits idle for tasks still queued in the broker.
+DEFAULT_RETURN_DELAY = 1.0
 
 
 def _ms(seconds: float) -> int:
@@ -57,34 +90,121 @@ def contention_countdown(
     return min(backoff_max, max(floor, turn))
 
 
-class HoldTimes:
-    """Moving average of how long a task's body holds its permit, per task name, bounded."""
+def error_countdown(
+    *,
+    attempt: int,
+    backoff: float,
+    backoff_max: float,
+    jitter: bool,
+    floor: float,
+) -> float:
+    """Seconds until a task retries after Redis failed: Celery's exponential backoff.
 
-    def __init__(self, *, weight: float = 0.2, max_names: int = 1024) -> None:
+    ``attempt`` counts earlier retries after Redis errors (0 on the first). Within
+    ``[floor, backoff_max]``.
+    """
+    ms = get_exponential_backoff_interval(
+        _ms(backoff), attempt, _ms(backoff_max), full_jitter=jitter
+    )
+    return min(backoff_max, max(floor, ms / 1000))
+
+
+def head_wait_budget(
+    *, position: int, limit: int, hold_estimate: float | None, head_wait: float
+) -> float:
+    """Seconds a task at ``position`` should wait in its worker slot for a permit (0: retry now).
+
+    See the module docstring. ``head_wait`` (``redsem_head_wait``) caps both the expected wait
+    that is worth waiting for and the wait itself; 0 never waits.
+    """
+    if head_wait <= 0 or position < 1:
+        return 0.0
+    if hold_estimate is None:
+        return head_wait if position <= limit else 0.0
+    if position > HEAD_WAIT_ROUNDS * limit:
+        return 0.0
+    expected = position * hold_estimate / limit
+    if expected > head_wait:
+        return 0.0
+    return min(head_wait, max(2 * expected, MIN_HEAD_WAIT))
+
+
+class _Averages:
+    """Per-key moving averages (bounded: the least recently updated keys are forgotten)."""
+
+    def __init__(self, *, weight: float, max_names: int) -> None:
         self._weight = weight
         self._max_names = max_names
         self._lock = threading.Lock()
-        self._averages: OrderedDict[str, float] = OrderedDict()
+        self._values: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
-    def observe(self, task_name: str, seconds: float) -> None:
-        """Record one hold of ``seconds`` by ``task_name``."""
+    def _observe(self, key: str, value: float) -> None:
         with self._lock:
-            old = self._averages.pop(task_name, None)
-            new = seconds if old is None else old + self._weight * (seconds - old)
-            self._averages[task_name] = new
-            while len(self._averages) > self._max_names:
-                self._averages.popitem(last=False)
+            old = self._values.pop(key, None)
+            if old is None:
+                new = (value, value / 2)
+            else:
+                mean, dev = old
+                new = (
+                    mean + self._weight * (value - mean),
+                    dev + self._weight * (abs(value - mean) - dev),
+                )
+            self._values[key] = new
+            while len(self._values) > self._max_names:
+                self._values.popitem(last=False)
 
-    def estimate(self, task_name: str) -> float | None:
-        """The average hold of ``task_name`` in this process, or None if never seen."""
+    def _get(self, key: str) -> tuple[float, float] | None:
         with self._lock:
-            return self._averages.get(task_name)
+            return self._values.get(key)
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
 
 
+class HoldTimes(_Averages):
+    """Moving average of how long a task's body holds its permit, per task name, bounded."""
+
+    def __init__(self, *, weight: float = 0.2, max_names: int = 1024) -> None:
+        super().__init__(weight=weight, max_names=max_names)
+
+    def observe(self, task_name: str, seconds: float) -> None:
+        """Record one hold of ``seconds`` by ``task_name``."""
+        self._observe(task_name, seconds)
+
+    def estimate(self, task_name: str) -> float | None:
+        """The average hold of ``task_name`` in this process, or None if never seen."""
+        value = self._get(task_name)
+        return None if value is None else value[0]
+
+
+class ReturnDelays(_Averages):
+    """How late contention retries come back after their countdown, per queue, bounded.
+
+    The estimate is the moving average plus twice the moving mean deviation (as TCP estimates
+    a retransmission timeout): an upper estimate, since a task back before its place holds a
+    permit costs little, while a place that holds one for a task still away keeps it idle.
+    """
+
+    def __init__(self, *, weight: float = 0.25, max_names: int = 1024) -> None:
+        super().__init__(weight=weight, max_names=max_names)
+
+    def observe(self, queue: str, seconds: float) -> None:
+        """Record that a retry through ``queue`` came back ``seconds`` after its countdown."""
+        self._observe(queue, max(0.0, seconds))
+
+    def estimate(self, queue: str) -> float:
+        """Seconds a retry through ``queue`` is expected to come back late (a default if unseen)."""
+        value = self._get(queue)
+        if value is None:
+            return DEFAULT_RETURN_DELAY
+        mean, dev = value
+        return mean + 2 * dev
+
+
 #: Hold times seen by this process (a forked child starts with its parent's, which is fine:
 #: they describe the same tasks).
 hold_times = HoldTimes()
-os.register_at_fork(after_in_child=hold_times._after_fork)
+#: Return delays seen by this process, per queue.
+return_delays = ReturnDelays()
+for _averages in (hold_times, return_delays):
+    os.register_at_fork(after_in_child=_averages._after_fork)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from celery import Celery
+from celery.local import Proxy
 
 from .clients import client_from_url, redact_url
 from .errors import ConfigurationError
@@ -75,7 +76,11 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_IDLE_TTL,
         "Seconds an idle semaphore's keys outlive their last lease.",
     ),
-    Setting("redsem_retry_backoff", 0.25, "First contention-retry countdown in seconds; doubles."),
+    Setting(
+        "redsem_retry_backoff",
+        0.25,
+        "First retry countdown in seconds while no hold time is known, and after Redis errors.",
+    ),
     Setting("redsem_retry_backoff_max", 10.0, "Cap on the contention-retry countdown in seconds."),
     Setting("redsem_retry_jitter", True, "Randomise contention-retry countdowns (full jitter)."),
     Setting(
@@ -86,17 +91,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "redsem_head_wait",
         1.0,
-        "Seconds a task next in line (position <= limit) waits in its slot for a permit; 0: never.",
+        "Longest wait in the worker slot for a permit that is near, instead of a retry; 0: never.",
     ),
     Setting(
         "redsem_waiter_margin",
         5.0,
-        "Seconds a task keeps its place in line beyond its retry countdown (delivery delays).",
+        "Seconds a retried task keeps its place in line beyond the time it is expected back.",
     ),
     Setting(
         "redsem_max_wait",
         3600.0,
-        "Total seconds a task may wait for a permit, then it fails (AcquireTimeout); None: no cap.",
+        "Total seconds a task may wait for a permit (or for Redis), then it fails; None: no cap.",
     ),
     Setting(
         "redsem_lost_lease_policy",
@@ -265,8 +270,23 @@ _configs: weakref.WeakKeyDictionary[Celery, RedsemConfig] = weakref.WeakKeyDicti
 _clients: weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]] = weakref.WeakKeyDictionary()
 
 
+def _real_app(app: Celery) -> Celery:
+    """``app`` itself, or the app behind a Celery proxy (``celery.current_app``, ``task.app``).
+
+    A proxy cannot be weakly referenced, and two proxies of one app must share its cache entry.
+    """
+    if isinstance(app, Proxy):
+        real: Celery = app._get_current_object()
+        return real
+    return app
+
+
 def get_config(app: Celery) -> RedsemConfig:
-    """The app's :class:`RedsemConfig`, read from ``app.conf`` at first use and then cached."""
+    """The app's :class:`RedsemConfig`, read from ``app.conf`` at first use and then cached.
+
+    ``app`` may be a proxy such as ``celery.current_app``.
+    """
+    app = _real_app(app)
     with _lock:
         config = _configs.get(app)
         if config is None:
@@ -276,7 +296,11 @@ def get_config(app: Celery) -> RedsemConfig:
 
 
 def get_client(app: Celery) -> RedisClient:
-    """The app's Redis client in this process (a forked child builds its own)."""
+    """The app's Redis client in this process (a forked child builds its own).
+
+    ``app`` may be a proxy such as ``celery.current_app``.
+    """
+    app = _real_app(app)
     pid = os.getpid()
     with _lock:
         cached = _clients.get(app)
@@ -301,6 +325,7 @@ def get_client(app: Celery) -> RedisClient:
 
 def reset(app: Celery) -> None:
     """Forget the app's cached config and client (after changing ``app.conf`` in tests)."""
+    app = _real_app(app)
     with _lock:
         _configs.pop(app, None)
         cached = _clients.pop(app, None)

@@ -2,10 +2,18 @@
 
 In a worker the permit id is the task id, stable across retries and redelivery. The task asks
 once (:meth:`~celery_redsem.FairSemaphore.attempt`, joining the FIFO line); without a permit it
-re-publishes itself with a countdown and raises Celery's ``Retry``. That contention retry keeps
-``request.retries`` as it is and never touches ``max_retries``; its count and the server time of
-the first try travel in the message header ``redsem_wait``. A task whose wait exceeds
-``max_wait`` leaves the line and fails with :class:`~celery_redsem.AcquireTimeout`.
+waits for it in its worker slot if it is near (:func:`~celery_redsem.backoff.head_wait_budget`),
+else it re-publishes itself with a countdown and raises Celery's ``Retry``, its place in line
+holding a free permit for it only from about when it is expected back (the countdown plus the
+delivery delay learnt for its queue, :class:`~celery_redsem.backoff.ReturnDelays`). That
+contention retry keeps ``request.retries`` as it is and never touches ``max_retries``; its count
+and timing travel in the message header ``redsem_wait`` (:class:`WaitState`). A task whose wait
+exceeds ``max_wait`` leaves the line and fails with :class:`~celery_redsem.AcquireTimeout`.
+
+When Redis cannot be reached while a task asks for its permit (a restart, a failover, a
+network fault: any :class:`~celery_redsem.BackendError`), the task is retried the same way,
+with an exponential backoff, counted apart in the header; the time so spent counts toward
+``max_wait``, after which the task fails with the ``BackendError``. It is never dropped.
 
 Eager calls (``task_always_eager``, ``apply()``) and direct calls block for a permit for at most
 ``redsem_eager_timeout`` seconds instead: countdowns mean nothing there.
@@ -23,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 import redis
 from celery import Celery, Task
@@ -31,7 +39,13 @@ from celery._state import get_current_app, get_current_task
 from celery.app.task import Context
 from celery.exceptions import Retry
 
-from .backoff import contention_countdown, hold_times
+from .backoff import (
+    contention_countdown,
+    error_countdown,
+    head_wait_budget,
+    hold_times,
+    return_delays,
+)
 from .config import LOST_LEASE_POLICIES, RedsemConfig, get_client, get_config
 from .errors import AcquireTimeout, BackendError, ConfigurationError, KeyFunctionError
 from .heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
@@ -39,11 +53,18 @@ from .keys import validate_name
 from .permits import Permit, Waiting
 from .semaphore import FairSemaphore
 
-__all__ = ["WAIT_HEADER", "KeyFunction", "TaskGuard", "current_permit", "guards_of"]
+__all__ = [
+    "WAIT_HEADER",
+    "KeyFunction",
+    "TaskGuard",
+    "WaitState",
+    "current_permit",
+    "guards_of",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Message header carrying ``[contention retries so far, server ms of the first try, retries]``.
+#: Message header carrying a :class:`WaitState` (and the task's own retry count).
 WAIT_HEADER = "redsem_wait"
 
 KeyFunction = Callable[..., object]
@@ -51,6 +72,7 @@ KeyFunction = Callable[..., object]
 _current: ContextVar[HeldPermit | None] = ContextVar("celery_redsem_permit", default=None)
 _GUARD_ATTR = "__redsem_guard__"
 _BLOCK_SLICE = 1.0  # one BLPOP stays well inside the default 2 s socket timeout
+_MIN_POLL = 0.005
 _NAMED_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
@@ -277,41 +299,71 @@ class TaskGuard:
     def _attempt_or_retry(
         self, task: Task[Any, Any], request: Context, sem: FairSemaphore, config: RedsemConfig
     ) -> Permit:
+        wait = _read_wait_header(request)
+        started = time.monotonic()
+        try:
+            return self._attempt_or_wait(task, request, sem, config, wait)
+        except BackendError as exc:
+            self._retry_after_error(task, request, sem, config, wait, error=exc, started=started)
+
+    def _max_wait(self, config: RedsemConfig) -> float | None:
+        max_wait = self.max_wait if self.max_wait is not None else config.max_wait
+        return None if max_wait is None or math.isinf(max_wait) else max_wait
+
+    def _attempt_or_wait(
+        self,
+        task: Task[Any, Any],
+        request: Context,
+        sem: FairSemaphore,
+        config: RedsemConfig,
+        wait: WaitState,
+    ) -> Permit:
+        """Ask once; wait in the slot if the permit is near, else re-publish with a countdown."""
         task_id = cast(str, request.id)
-        attempts, first_ms = _read_wait_header(request)
+        queue = _queue_of(task, request)
         waiter_lease = config.waiter_margin + config.retry_min_countdown
-        result = sem.attempt(task_id, join_line=True, waiter_lease=waiter_lease)
+        result = _attempt(sem, task_id, waiter_lease=waiter_lease)
+        now_ms = _server_ms(result, waiter_lease)
+        if wait.due_ms and not wait.offline_ms:  # back from a contention retry: how late?
+            return_delays.observe(queue, (now_ms - wait.due_ms) / 1000)
         if isinstance(result, Permit):
             return result
-        now_ms = result.expires_at - round(waiter_lease * 1000)
-        first_ms = first_ms or now_ms
+        # The first answer from Redis starts the wait, backdated by any time spent unable to
+        # reach it before that.
+        first_ms = wait.first_ms or now_ms - wait.offline_ms
         waited = max(0, now_ms - first_ms) / 1000
-        max_wait = self.max_wait if self.max_wait is not None else config.max_wait
-        if max_wait is not None and math.isinf(max_wait):
-            max_wait = None
-        if config.head_wait > 0 and result.position <= sem.limit:
-            budget = (
-                config.head_wait if max_wait is None else min(config.head_wait, max_wait - waited)
+        max_wait = self._max_wait(config)
+        hold = hold_times.estimate(task.name)
+        budget = head_wait_budget(
+            position=result.position,
+            limit=sem.limit,
+            hold_estimate=hold,
+            head_wait=config.head_wait,
+        )
+        if max_wait is not None:
+            budget = min(budget, max_wait - waited)
+        if budget > 0:
+            result = _wait_in_slot(
+                sem, task_id, result, waiter_lease=waiter_lease, seconds=budget, hold=hold
             )
-            result = _wait_at_head(sem, task_id, result, waiter_lease, budget)
             if isinstance(result, Permit):
                 return result
-            now_ms = result.expires_at - round(waiter_lease * 1000)
+            now_ms = _server_ms(result, waiter_lease)
             waited = max(0, now_ms - first_ms) / 1000
         if max_wait is not None and waited >= max_wait:
             _release(sem, task_id)
             raise AcquireTimeout(
                 f"task {task.name}[{task_id}] waited {waited:.1f}s for a permit of {sem.name!r} "
-                f"(limit {sem.limit}) and gave up (max_wait={max_wait}s, {attempts} retries, "
-                f"position {result.position} in line)",
+                f"(limit {sem.limit}) and gave up (max_wait={max_wait}s, {wait.attempts} "
+                f"retries, position {result.position} in line)",
                 name=sem.name,
                 permit_id=task_id,
             )
         countdown = contention_countdown(
-            attempt=attempts,
+            attempt=wait.attempts,
             position=result.position,
             limit=sem.limit,
-            hold_estimate=hold_times.estimate(task.name),
+            hold_estimate=hold,
             backoff=config.retry_backoff,
             backoff_max=config.retry_backoff_max,
             jitter=config.retry_jitter,
@@ -319,30 +371,112 @@ class TaskGuard:
         )
         if max_wait is not None:
             countdown = max(config.retry_min_countdown, min(countdown, max_wait - waited))
-        # Keep the place until the task is back, and let a permit it cannot use while it is
-        # away go to whoever is present: its place holds one only once the countdown is over.
-        again = sem.attempt(
-            task_id,
-            join_line=True,
-            waiter_lease=countdown + config.waiter_margin,
-            back_in=countdown,
-        )
+        # Keep the place until the task is back. The broker hands the retry back only after
+        # the messages queued before it, so the task is back around its countdown plus the
+        # delay learnt for this queue; until then its place does not hold a free permit (one
+        # goes to whoever is present, in line order), and the place outlives that by the margin.
+        back_in = countdown + return_delays.estimate(queue)
+        again = _attempt(sem, task_id, waiter_lease=back_in + config.waiter_margin, back_in=back_in)
         if isinstance(again, Permit):
             return again
-        headers = dict(request.headers or {})
-        headers[WAIT_HEADER] = [attempts + 1, first_ms, request.retries]
-        sig = task.signature_from_request(request, countdown=countdown, headers=headers)
-        try:
-            sig.apply_async()
-        except Exception:
-            _release(sem, task_id)
-            raise
+        due_ms = now_ms + round(countdown * 1000)
+        after = WaitState(wait.attempts + 1, first_ms, wait.errors, due_ms, 0)
+        sig = self._publish_retry(task, request, sem, countdown, after, release_on_failure=True)
         raise Retry(
             f"no permit of {sem.name!r} (limit {sem.limit}) yet; "
             f"position {result.position} in line, asking again in {countdown:.3f}s",
             when=cast(Any, countdown),
             sig=sig,
         )
+
+    def _retry_after_error(
+        self,
+        task: Task[Any, Any],
+        request: Context,
+        sem: FairSemaphore,
+        config: RedsemConfig,
+        wait: WaitState,
+        *,
+        error: BackendError,
+        started: float,
+    ) -> NoReturn:
+        """Redis could not be reached (or refused): retry through Celery with a backoff.
+
+        Like a contention retry it spares ``max_retries``; its own count travels in the header.
+        The time spent so (countdowns plus the failed tries) counts toward ``max_wait``, and
+        once that is spent the task fails with the :class:`BackendError`.
+        """
+        task_id = cast(str, request.id)
+        offline_ms = wait.offline_ms + round((time.monotonic() - started) * 1000)
+        # Without a server clock: the wait known at the last answer, plus the time offline.
+        known = max(0, wait.due_ms - wait.first_ms) if wait.first_ms else 0
+        waited = (known + offline_ms) / 1000
+        max_wait = self._max_wait(config)
+        if max_wait is not None and waited >= max_wait:
+            raise BackendError(
+                f"task {task.name}[{task_id}] could not get a permit of {sem.name!r} "
+                f"(limit {sem.limit}) because Redis failed; it gave up after about "
+                f"{waited:.1f}s (max_wait={max_wait}s, {wait.errors} retries after Redis "
+                f"errors): {error}",
+                name=sem.name,
+                permit_id=task_id,
+            ) from error
+        countdown = error_countdown(
+            attempt=wait.errors,
+            backoff=config.retry_backoff,
+            backoff_max=config.retry_backoff_max,
+            jitter=config.retry_jitter,
+            floor=config.retry_min_countdown,
+        )
+        if max_wait is not None:
+            countdown = max(config.retry_min_countdown, min(countdown, max_wait - waited))
+        logger.warning(
+            "celery_redsem: %s[%s] could not reach Redis for a permit of %r, retrying in "
+            "%.2fs (retry %d after Redis errors): %s",
+            task.name,
+            task_id,
+            sem.name,
+            countdown,
+            wait.errors + 1,
+            error,
+        )
+        after = WaitState(
+            wait.attempts,
+            wait.first_ms,
+            wait.errors + 1,
+            wait.due_ms,
+            offline_ms + round(countdown * 1000),
+        )
+        sig = self._publish_retry(task, request, sem, countdown, after, release_on_failure=False)
+        raise Retry(
+            f"Redis failed while asking for a permit of {sem.name!r}: {error}; "
+            f"asking again in {countdown:.3f}s",
+            exc=error,
+            when=cast(Any, countdown),
+            sig=sig,
+        )
+
+    def _publish_retry(
+        self,
+        task: Task[Any, Any],
+        request: Context,
+        sem: FairSemaphore,
+        countdown: float,
+        wait: WaitState,
+        *,
+        release_on_failure: bool,
+    ) -> Any:
+        """Re-publish the task (same id) with ``countdown`` and ``wait`` in its header."""
+        headers = dict(request.headers or {})
+        headers[WAIT_HEADER] = wait.header(request.retries)
+        sig = task.signature_from_request(request, countdown=countdown, headers=headers)
+        try:
+            sig.apply_async()
+        except Exception:
+            if release_on_failure:
+                _release(sem, cast(str, request.id))
+            raise
+        return sig
 
     def release_by_id(
         self,
@@ -375,45 +509,107 @@ def _optional_seconds(
     return float(value)
 
 
-def _read_wait_header(request: Context) -> tuple[int, int | None]:
-    """(contention retries so far, server ms of the first try) for this run of the task."""
+class WaitState(NamedTuple):
+    """Where a task stands in its wait for a permit; travels in the ``redsem_wait`` header."""
+
+    #: Contention retries so far.
+    attempts: int = 0
+    #: Server ms when the wait began (0: Redis has not answered yet).
+    first_ms: int = 0
+    #: Retries because Redis failed (unreachable, restarting, too few replicas).
+    errors: int = 0
+    #: Server ms when the task was due back after its last contention retry (0: none yet).
+    due_ms: int = 0
+    #: Milliseconds spent on retries after Redis errors since then (countdowns and tries).
+    offline_ms: int = 0
+
+    def header(self, retries: int) -> list[int]:
+        """The header value; ``retries`` (the task's own) tells a later own retry apart."""
+        return [self.attempts, self.first_ms, retries, self.errors, self.due_ms, self.offline_ms]
+
+
+def _read_wait_header(request: Context) -> WaitState:
+    """The :class:`WaitState` this run of the task starts from (fresh if none or stale).
+
+    Reads ``[attempts, first ms, retries, errors, due ms, offline ms]`` and the older
+    ``[attempts, first ms, retries]``.
+    """
     headers = request.headers or {}
     value = headers.get(WAIT_HEADER, getattr(request, WAIT_HEADER, None))
-    if not isinstance(value, list | tuple) or len(value) != 3:
-        return 0, None
-    attempts, first_ms, retries = value
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return 0, None
+    if not isinstance(value, list | tuple) or len(value) not in (3, 6):
+        return WaitState()
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return WaitState()
+    attempts, first_ms, retries, *rest = value
     if retries != request.retries:  # the task's own retry since: a fresh wait
-        return 0, None
-    return max(0, attempts), first_ms
+        return WaitState()
+    errors, due_ms, offline_ms = rest or (0, 0, 0)
+    return WaitState(attempts, first_ms, errors, due_ms, offline_ms)
 
 
-def _wait_at_head(
-    sem: FairSemaphore, task_id: str, result: Waiting, waiter_lease: float, seconds: float
+def _wait_in_slot(
+    sem: FairSemaphore,
+    task_id: str,
+    result: Waiting,
+    *,
+    waiter_lease: float,
+    seconds: float,
+    hold: float | None,
 ) -> Permit | Waiting:
-    """Next in line: wait in this worker slot to be woken by a release, for up to ``seconds``.
+    """Wait in this worker slot for a permit for up to ``seconds`` (see :func:`head_wait_budget`).
 
-    A freed permit is reserved for the head of the line; a head that is away on a countdown
-    leaves it idle, so the head waits here instead (on its wake-up list, one BLPOP per wake).
+    A release pushes a wake-up to the first waiters in line; a task further back, or behind
+    waiters that are away, asks again after about one release (``hold / limit``) instead.
     """
     deadline = time.monotonic() + seconds
     wake = sem.keys.wake(task_id)
-    while result.position <= sem.limit:
+    poll = _BLOCK_SLICE if hold is None else min(_BLOCK_SLICE, max(_MIN_POLL, hold / sem.limit))
+    while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            break
+            return result
         try:
-            sem.client.blpop([wake], timeout=max(0.01, min(remaining, _BLOCK_SLICE)))
+            sem.client.blpop([wake], timeout=max(_MIN_POLL, min(remaining, poll)))
         except redis.RedisError as exc:
             raise BackendError(
                 f"Redis failed while waiting for {sem.name!r}: {exc}", name=sem.name
             ) from exc
-        attempt = sem.attempt(task_id, join_line=True, waiter_lease=waiter_lease)
+        attempt = _attempt(sem, task_id, waiter_lease=waiter_lease)
         if isinstance(attempt, Permit):
             return attempt
         result = attempt
+
+
+def _attempt(
+    sem: FairSemaphore, task_id: str, *, waiter_lease: float, back_in: float = 0.0
+) -> Permit | Waiting:
+    """One try that keeps the task's place in line.
+
+    A grant that too few replicas acknowledged in time was given back (``min_replicas``): that
+    is a fault of the deployment, retried like a Redis error.
+    """
+    result = sem.attempt(task_id, join_line=True, waiter_lease=waiter_lease, back_in=back_in)
+    if isinstance(result, Waiting) and not result.expires_at:
+        raise BackendError(
+            f"a permit of {sem.name!r} was granted but not acknowledged by "
+            f"min_replicas={sem.min_replicas} replicas in time, so it was given back",
+            name=sem.name,
+            permit_id=task_id,
+        )
     return result
+
+
+def _server_ms(result: Permit | Waiting, waiter_lease: float) -> int:
+    """The server's clock (ms) when ``result`` was decided, from the expiry it carries."""
+    if isinstance(result, Permit):
+        return result.expires_at - math.ceil(result.lease * 1000)
+    return result.expires_at - math.ceil(waiter_lease * 1000)
+
+
+def _queue_of(task: Task[Any, Any], request: Context) -> str:
+    """The queue (routing key) the task came through: return delays are learnt per queue."""
+    info = request.delivery_info or {}
+    return str(info.get("routing_key") or getattr(task, "queue", None) or task.name)
 
 
 def _disarm(held: HeldPermit) -> None:

@@ -82,10 +82,11 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def describe(request: Any) -> dict[str, Any]:
         held = current_permit()
         assert held is not None
-        wait = (request.headers or {}).get(WAIT_HEADER) or [0, 0, 0]
+        wait = (request.headers or {}).get(WAIT_HEADER) or [0, 0, 0, 0, 0, 0]
         return {
             "retries": request.retries,
             "contention_retries": wait[0],
+            "redis_errors": wait[3] if len(wait) > 3 else 0,
             "token": held.token,
             "name": held.name,
             "lost": held.lost,
@@ -172,8 +173,9 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
 
     @app.task(shared=False, bind=True, name="t.fifo")
     @with_lock(key=lambda key, tag: f"fifo:{key}")
-    def fifo(self: Any, key: str, tag: str) -> str:
+    def fifo(self: Any, key: str, tag: str, seconds: float = 0.0) -> dict[str, Any]:
         counter().rpush(f"{prefix}:t:order:{key}", tag)
-        return tag
+        time.sleep(seconds)
+        return {"tag": tag, **describe(self.request)}
 
     return app

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from celery import Celery
+from celery import Celery, _state, current_app
+from celery.local import Proxy
 
 from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config
 from celery_redsem.config import SETTINGS
@@ -111,3 +112,18 @@ def test_a_forked_child_builds_its_own_client(redis_url: str) -> None:
     assert answer == b"1"
     assert get_client(app) is parent_client
     assert parent_client.ping()
+
+
+def test_celery_proxies_share_the_apps_config_and_client(redis_url: str) -> None:
+    app = _app(redsem_redis_url=redis_url, redsem_lease=3)
+    proxy = Proxy(lambda: app)
+    assert get_config(proxy) is get_config(app)
+    assert get_client(proxy) is get_client(app)
+    previous = _state._tls.current_app
+    app.set_current()
+    try:
+        assert get_config(current_app).lease == 3.0  # celery.current_app is a Proxy too
+        assert get_client(current_app) is get_client(app)
+        assert get_client(current_app).ping()
+    finally:
+        _state._tls.current_app = previous

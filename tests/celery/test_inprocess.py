@@ -80,22 +80,59 @@ def test_contention_retries_keep_the_place_and_spare_max_retries(
     assert app.tasks["t.locked"].max_retries == 0
 
 
-def test_waiting_line_is_served_first_come_first_served(
+def test_tasks_waiting_in_their_slots_are_served_in_line_order(
     app: Celery, worker: object, key: str
 ) -> None:
+    """Behind a holder of a known hold time, the next tasks wait in their slots, in order.
+
+    Limit 1, holds of 0.3 s: ``b`` (position 1) and ``c`` (position 2) expect their permits
+    within two rounds, so they wait in their worker slots (no retry) and are served in line
+    order, each woken by the release before it.
+    """
+    fifo = app.tasks["t.fifo"]
     sem = holder(app, f"fifo:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
-    results = []
-    for tag in "abcde":
-        results.append(app.tasks["t.fifo"].delay(key, tag))
-        wait_until(lambda: len(sem.state().waiters) == len(results), 10, what=f"{tag} in line")
-    sem.release(blocker)
-    assert [r.get(timeout=20) for r in results] == list("abcde")
+    assert fifo.delay(key, "warm", 0.3).get(timeout=10)["tag"] == "warm"  # learns the hold
+    first = fifo.delay(key, "a", 0.3)
+    wait_until(lambda: [h.permit_id for h in sem.state().holders] == [first.id], 10, what="a")
+    later = []
+    for tag in "bc":
+        later.append(fifo.delay(key, tag, 0.3))
+        wait_until(lambda: len(sem.state().waiters) == len(later), 10, what=f"{tag} in line")
+    outs = [r.get(timeout=20) for r in (first, *later)]
+    assert [out["tag"] for out in outs] == ["a", "b", "c"]
+    assert [out["contention_retries"] for out in outs] == [0, 0, 0]  # waited in their slots
     order = redis.Redis.from_url(app.conf.broker_url).lrange(
         f"{app.conf.redsem_key_prefix}:t:order:{key}", 0, -1
     )
-    assert order == [b"a", b"b", b"c", b"d", b"e"]
+    assert order == [b"warm", b"a", b"b", b"c"]
+
+
+def test_a_task_behind_a_long_line_is_retried_and_keeps_its_place(
+    app: Celery, worker: object, key: str, events: dict[str, Counter[str]]
+) -> None:
+    """Too far back to wait in its slot, a task retries and keeps its ticket until served."""
+    fifo = app.tasks["t.fifo"]
+    sem = holder(app, f"fifo:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    ahead = [sem.attempt(f"ahead-{i}", join_line=True, waiter_lease=30) for i in range(3)]
+    assert [w.position for w in ahead] == [1, 2, 3]  # type: ignore[union-attr]
+    result = fifo.delay(key, "behind")  # position 4 > 2 x limit: no waiting in the slot
+
+    def line() -> list[tuple[str, int]]:
+        return [(w.permit_id, w.ticket) for w in sem.state().waiters]
+
+    wait_until(lambda: len(line()) == 4, 10, what="behind in line")
+    before = line()
+    wait_until(lambda: events.get(result.id, Counter())["retry-signal"] >= 2, 10, what="retries")
+    assert line() == before  # same ticket, same order, after its retries
+    assert before[-1][0] == result.id
+    for waiter in ahead:
+        sem.release(waiter.id)
+    sem.release(blocker)
+    out = result.get(timeout=20)
+    assert out["contention_retries"] >= 2
+    assert out["retries"] == 0
 
 
 def test_spent_wait_budget_fails_visibly_and_leaves_the_line(

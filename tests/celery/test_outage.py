@@ -1,0 +1,87 @@
+"""Redis unreachable while a task asks for its permit: a retry through Celery, never a drop.
+
+The semaphores live on their own server, which is not running when the tasks arrive (nothing
+listens on its port), then starts; broker and results stay on the test server throughout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.signals import task_retry
+
+from celery_redsem import BackendError
+from tests.celery.tasks import make_app
+from tests.servers import ServerProcess, wait_until
+
+
+@pytest.fixture
+def down_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server for the semaphores on a port where nothing listens until the test starts it."""
+    server = ServerProcess([], tmp_path)
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def outage_app(redis_url: str, module_prefix: str, down_server: ServerProcess) -> Iterator[Celery]:
+    """The test app, broker on the test server, semaphores on ``down_server``.
+
+    Its own key prefix (so its queue is its own), under the module's (so it is cleaned up).
+    """
+    app = make_app(
+        redis_url,
+        f"{module_prefix}:outage",
+        redsem_redis_url=down_server.url,
+        redsem_retry_backoff=0.02,
+        redsem_retry_backoff_max=0.1,
+    )
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def retries() -> Iterator[Counter[str]]:
+    """Retries seen (``task_retry``), per task id."""
+    seen: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def on_retry(request: object = None, **_: object) -> None:
+        with lock:
+            seen[str(getattr(request, "id", ""))] += 1
+
+    task_retry.connect(on_retry, weak=False)
+    yield seen
+    task_retry.disconnect(on_retry)
+
+
+def test_redis_down_at_acquire_retries_until_it_is_back(
+    outage_app: Celery, down_server: ServerProcess, retries: Counter[str], key: str
+) -> None:
+    with start_worker(
+        outage_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=30
+    ):
+        # Spends its wait budget (max_wait=0.5 s) on retries, then fails saying why.
+        budget = outage_app.tasks["t.budget"].delay(key)
+        with pytest.raises(BackendError, match=r"Redis failed.*max_wait=0\.5s") as info:
+            budget.get(timeout=15)
+        assert "Connection refused" in str(info.value)
+        assert retries[budget.id] >= 2
+
+        locked = outage_app.tasks["t.locked"].delay(key)  # max_retries=0
+        wait_until(lambda: retries[locked.id] >= 3, 15, what="3 retries while Redis is down")
+        assert locked.state == "RETRY"
+        down_server.start()
+        out = locked.get(timeout=15)
+    assert out["name"] == f"locked:{key}"
+    assert out["retries"] == 0  # max_retries=0 was not used up ...
+    assert out["redis_errors"] >= 3  # ... by the retries after Redis errors
+    assert out["contention_retries"] == 0
