@@ -404,17 +404,23 @@ class Lock(FairSemaphore):
         )
 
 
-def blocking_wait_cap(client: RedisClient) -> float:
-    """Seconds a blocking command (BLPOP) may wait on ``client`` without hitting its socket
-    timeout: the timeout less a margin (``inf`` if it has none)."""
+def socket_timeout(client: RedisClient) -> float | None:
+    """The socket timeout ``client``'s connections use, in seconds (None: none)."""
     if isinstance(client, RedisCluster):
         kwargs = client.get_connection_kwargs()  # type: ignore[no-untyped-call]
     else:
         kwargs = client.connection_pool.connection_kwargs
-    socket_timeout = kwargs.get("socket_timeout")
-    if not socket_timeout:
+    value = kwargs.get("socket_timeout")
+    return float(value) if value else None
+
+
+def blocking_wait_cap(client: RedisClient) -> float:
+    """Seconds a blocking command (BLPOP) may wait on ``client`` without hitting its socket
+    timeout: the timeout less a margin (``inf`` if it has none)."""
+    timeout = socket_timeout(client)
+    if timeout is None:
         return math.inf
-    return max(0.01, float(socket_timeout) - max(0.1, 0.2 * float(socket_timeout)))
+    return max(0.01, timeout - max(0.1, 0.2 * timeout))
 
 
 def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> SemaphoreState:

@@ -51,7 +51,7 @@ from .errors import AcquireTimeout, BackendError, ConfigurationError, KeyFunctio
 from .heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
 from .keys import validate_name
 from .permits import Permit, Waiting
-from .semaphore import FairSemaphore
+from .semaphore import FairSemaphore, socket_timeout
 
 __all__ = [
     "WAIT_HEADER",
@@ -237,35 +237,48 @@ class TaskGuard:
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
         name = self.name_for(task_name, args, kwargs)
-        sem = self.semaphore(app, name, config)
         request = task.request if task is not None and ours else None
         started = time.monotonic()
         if request is None or request.called_directly or request.is_eager:
+            sem = self.semaphore(app, name, config)
             pid = (request.id if request is not None else None) or uuid.uuid4().hex
             permit = self._acquire_blocking(sem, pid, task_name, config)
         else:
             assert task is not None
+            try:  # building a cluster client already talks to the cluster
+                sem = self.semaphore(app, name, config)
+            except BackendError as exc:
+                wait = _read_wait_header(request)
+                self._retry_after_error(
+                    task, request, name, config, wait, error=exc, started=started
+                )
             permit = self._attempt_or_retry(task, request, sem, config)
-        held = HeldPermit(
-            permit,
-            sem.client,
-            idle_ttl=config.idle_ttl,
-            lost_lease_policy=self.lost_lease_policy or config.lost_lease_policy,
-            task_name=task_name,
-            confirmed_at=started,
-        )
+        # From the grant on, every way out releases: nothing may run between it and the try.
         heartbeat = get_heartbeat()
-        heartbeat.track(held)
-        token = _current.set(held)
-        if request is not None:
-            setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
+        held: HeldPermit | None = None
+        token = None
         body_started = time.monotonic()
         try:
+            held = HeldPermit(
+                permit,
+                sem.client,
+                idle_ttl=config.idle_ttl,
+                lost_lease_policy=self.lost_lease_policy or config.lost_lease_policy,
+                task_name=task_name,
+                confirmed_at=_granted_no_earlier_than(sem, started),
+            )
+            heartbeat.track(held)
+            token = _current.set(held)
+            if request is not None:
+                setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
+            body_started = time.monotonic()
             return self._run_body(held, args, kwargs)
         finally:
             hold_times.observe(task_name, time.monotonic() - body_started)
-            _current.reset(token)
-            heartbeat.untrack(held)
+            if token is not None:
+                _current.reset(token)
+            if held is not None:
+                heartbeat.untrack(held)  # stop refreshing before releasing
             _release(sem, permit)
 
     def _run_body(self, held: HeldPermit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -304,7 +317,9 @@ class TaskGuard:
         try:
             return self._attempt_or_wait(task, request, sem, config, wait)
         except BackendError as exc:
-            self._retry_after_error(task, request, sem, config, wait, error=exc, started=started)
+            self._retry_after_error(
+                task, request, sem.name, config, wait, error=exc, started=started
+            )
 
     def _max_wait(self, config: RedsemConfig) -> float | None:
         max_wait = self.max_wait if self.max_wait is not None else config.max_wait
@@ -381,7 +396,7 @@ class TaskGuard:
             return again
         due_ms = now_ms + round(countdown * 1000)
         after = WaitState(wait.attempts + 1, first_ms, wait.errors, due_ms, 0)
-        sig = self._publish_retry(task, request, sem, countdown, after, release_on_failure=True)
+        sig = self._publish_retry(task, request, countdown, after, release=sem)
         raise Retry(
             f"no permit of {sem.name!r} (limit {sem.limit}) yet; "
             f"position {result.position} in line, asking again in {countdown:.3f}s",
@@ -393,7 +408,7 @@ class TaskGuard:
         self,
         task: Task[Any, Any],
         request: Context,
-        sem: FairSemaphore,
+        name: str,
         config: RedsemConfig,
         wait: WaitState,
         *,
@@ -414,11 +429,11 @@ class TaskGuard:
         max_wait = self._max_wait(config)
         if max_wait is not None and waited >= max_wait:
             raise BackendError(
-                f"task {task.name}[{task_id}] could not get a permit of {sem.name!r} "
-                f"(limit {sem.limit}) because Redis failed; it gave up after about "
+                f"task {task.name}[{task_id}] could not get a permit of {name!r} "
+                f"(limit {self.limit}) because Redis failed; it gave up after about "
                 f"{waited:.1f}s (max_wait={max_wait}s, {wait.errors} retries after Redis "
                 f"errors): {error}",
-                name=sem.name,
+                name=name,
                 permit_id=task_id,
             ) from error
         countdown = error_countdown(
@@ -435,7 +450,7 @@ class TaskGuard:
             "%.2fs (retry %d after Redis errors): %s",
             task.name,
             task_id,
-            sem.name,
+            name,
             countdown,
             wait.errors + 1,
             error,
@@ -447,9 +462,9 @@ class TaskGuard:
             wait.due_ms,
             offline_ms + round(countdown * 1000),
         )
-        sig = self._publish_retry(task, request, sem, countdown, after, release_on_failure=False)
+        sig = self._publish_retry(task, request, countdown, after, release=None)
         raise Retry(
-            f"Redis failed while asking for a permit of {sem.name!r}: {error}; "
+            f"Redis failed while asking for a permit of {name!r}: {error}; "
             f"asking again in {countdown:.3f}s",
             exc=error,
             when=cast(Any, countdown),
@@ -460,21 +475,23 @@ class TaskGuard:
         self,
         task: Task[Any, Any],
         request: Context,
-        sem: FairSemaphore,
         countdown: float,
         wait: WaitState,
         *,
-        release_on_failure: bool,
+        release: FairSemaphore | None,
     ) -> Any:
-        """Re-publish the task (same id) with ``countdown`` and ``wait`` in its header."""
+        """Re-publish the task (same id) with ``countdown`` and ``wait`` in its header.
+
+        If publishing fails, the place in ``release`` (if given) is given up before re-raising.
+        """
         headers = dict(request.headers or {})
         headers[WAIT_HEADER] = wait.header(request.retries)
         sig = task.signature_from_request(request, countdown=countdown, headers=headers)
         try:
             sig.apply_async()
         except Exception:
-            if release_on_failure:
-                _release(sem, cast(str, request.id))
+            if release is not None:
+                _release(release, cast(str, request.id))
             raise
         return sig
 
@@ -610,6 +627,19 @@ def _queue_of(task: Task[Any, Any], request: Context) -> str:
     """The queue (routing key) the task came through: return delays are learnt per queue."""
     info = request.delivery_info or {}
     return str(info.get("routing_key") or getattr(task, "queue", None) or task.name)
+
+
+def _granted_no_earlier_than(sem: FairSemaphore, started: float) -> float:
+    """A monotonic time the permit's lease surely did not start before.
+
+    The grant came with the last of the calls that asked for it, and no call outlasts the
+    socket timeout; before ``started`` nothing was asked. The heartbeat counts the lease from
+    here, so a wait in line longer than a lease does not make the permit look expired at once.
+    """
+    timeout = socket_timeout(sem.client)
+    if timeout is None:
+        return started
+    return max(started, time.monotonic() - timeout)
 
 
 def _disarm(held: HeldPermit) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
 from celery_redsem import current_permit, with_lock, with_semaphore
 from celery_redsem.task_guard import WAIT_HEADER
@@ -123,6 +123,30 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
         while time.monotonic() < deadline:
             time.sleep(0.05)
         return "survived"
+
+    @app.task(shared=False, bind=True, name="t.autoretry_killed", autoretry_for=(ValueError,))
+    @with_lock(key=lambda key: f"auto:{key}", lease=10.0)
+    def autoretry_killed(self: Any, key: str) -> str:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "survived"
+
+    @app.task(shared=False, bind=True, name="t.survives_signal")
+    @with_lock(key=lambda key: f"survivor:{key}", lease=10.0)
+    def survives_signal(self: Any, key: str) -> str:
+        """Catches the soft time limit that SIGUSR1 raises, then cleans up for a while."""
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        except SoftTimeLimitExceeded:
+            counter().set(f"{prefix}:t:cleaning:{key}", 1)
+            time.sleep(1.5)  # the body's own slow cleanup: it still holds the lock
+            counter().delete(f"{prefix}:t:cleaning:{key}")
+        return "cleaned up"
 
     @app.task(shared=False, bind=True, name="t.hard_limit", time_limit=1)
     @with_lock(key=lambda key: f"hard:{key}", lease=10.0)

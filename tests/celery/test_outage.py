@@ -85,3 +85,30 @@ def test_redis_down_at_acquire_retries_until_it_is_back(
     assert out["retries"] == 0  # max_retries=0 was not used up ...
     assert out["redis_errors"] >= 3  # ... by the retries after Redis errors
     assert out["contention_retries"] == 0
+
+
+def test_a_cluster_unreachable_at_first_use_is_retried_not_failed(
+    redis_url: str,
+    module_prefix: str,
+    down_server: ServerProcess,
+    retries: Counter[str],
+    key: str,
+) -> None:
+    # Building a cluster client already asks the cluster for its layout.
+    app = make_app(
+        redis_url,
+        f"{module_prefix}:cluster-down",
+        redsem_redis_url=down_server.url.replace("redis://", "redis+cluster://"),
+        redsem_retry_backoff=0.02,
+        redsem_retry_backoff_max=0.1,
+    )
+    try:
+        with start_worker(
+            app, pool="threads", concurrency=1, perform_ping_check=False, shutdown_timeout=30
+        ):
+            budget = app.tasks["t.budget"].delay(key)  # max_wait=0.5 s
+            with pytest.raises(BackendError, match=r"gave up .*max_wait=0\.5s"):
+                budget.get(timeout=15)
+            assert retries[budget.id] >= 2
+    finally:
+        app.close()

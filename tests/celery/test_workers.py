@@ -104,6 +104,32 @@ def test_revoke_with_terminate_frees_the_permit(
     wait_until(lambda: result.state == "REVOKED", 10, what="revoked")
 
 
+def test_revoke_with_terminate_frees_the_permit_of_an_autoretry_task(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    # autoretry_for replaces task.run; the main process must still find the bound arguments.
+    result = app.tasks["t.autoretry_killed"].delay(key)
+    _pid(app, key)
+    sem = holder(app, f"auto:{key}")
+    assert [h.permit_id for h in sem.state().holders] == [result.id]
+    result.revoke(terminate=True)
+    wait_until(lambda: sem.state().holders == [], 3, what="permit freed")  # lease is 10 s
+
+
+def test_a_child_that_survives_the_terminate_signal_keeps_its_permit(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    result = app.tasks["t.survives_signal"].delay(key)
+    _pid(app, key)
+    sem = holder(app, f"survivor:{key}")
+    cleaning = f"{app.conf.redsem_key_prefix}:t:cleaning:{key}"
+    result.revoke(terminate=True, signal="SIGUSR1")  # a soft time limit in the child
+    wait_until(lambda: _counter(app).exists(cleaning), 10, what="the body to start cleaning up")
+    assert [h.permit_id for h in sem.state().holders] == [result.id]  # still its own
+    wait_until(lambda: not _counter(app).exists(cleaning), 10, what="the cleanup to end")
+    wait_until(lambda: sem.state().holders == [], 3, what="released by the child")
+
+
 def test_hard_time_limit_frees_the_permit(
     app: Celery, workers: list[WorkerProcess], key: str
 ) -> None:
