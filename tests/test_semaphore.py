@@ -454,3 +454,20 @@ def test_a_line_that_outlived_its_holders_hash_keeps_its_order(redis_client, pre
     assert isinstance(late, Waiting)
     assert late.position == 3
     assert [w.permit_id for w in sem.waiters()] == ["first", "second", "late"]
+
+
+def test_a_release_wakes_the_first_due_waiter_not_one_that_is_away(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=30, waiter_lease=30)  # polls every 10 s
+    holder = sem.acquire()
+    assert holder is not None
+    sem.attempt("away", join_line=True, waiter_lease=60, back_in=30)
+    got: list[Permit | None] = []
+    waiter = threading.Thread(target=lambda: got.append(sem.acquire(blocking=True, timeout=20)))
+    waiter.start()
+    wait_until(lambda: len(sem.waiters()) == 2, timeout=3, what="the blocked waiter in line")
+    released_at = time.monotonic()
+    sem.release(holder)
+    waiter.join(timeout=5)
+    assert got
+    assert got[0] is not None
+    assert time.monotonic() - released_at < 2

@@ -137,18 +137,29 @@ local function helpers()
     return redis.call('ZCARD', waiters)
   end
 
-  -- Push a wake-up to the first `free` waiters so blocked acquirers retry at once.
-  function h.wake(holders, waiters, wexp, free, now)
+  -- Push a wake-up to the first `free` waiters that are due (a waiter away on a countdown
+  -- cannot use one), so blocked acquirers retry at once. Looks at most 100 places deep.
+  function h.wake(holders, waiters, wexp, wdue, free, now)
     if free <= 0 then
       return
     end
-    for _, id in ipairs(redis.call('ZRANGE', waiters, 0, free - 1)) do
-      local until_ms = tonumber(redis.call('ZSCORE', wexp, id) or now)
-      if until_ms > now then
+    local ids = redis.call('ZRANGE', waiters, 0, 99)
+    if #ids == 0 then
+      return
+    end
+    local due = redis.call('ZMSCORE', wdue, unpack(ids))
+    local until_ms = redis.call('ZMSCORE', wexp, unpack(ids))
+    for i, id in ipairs(ids) do
+      local lease_end = tonumber(until_ms[i] or 0)
+      if tonumber(due[i] or now) <= now and lease_end > now then
         local key = h.wake_key(holders, id)
         redis.call('LPUSH', key, '1')
         redis.call('LTRIM', key, 0, 0)
-        redis.call('PEXPIRE', key, until_ms - now)
+        redis.call('PEXPIRE', key, lease_end - now)
+        free = free - 1
+        if free == 0 then
+          return
+        end
       end
     end
   end

@@ -114,7 +114,7 @@ if held + ahead >= limit then
     freed = freed or queued < before
   end
   if freed then
-    h.wake(holders, waiters, wexp, limit - held, now)
+    h.wake(holders, waiters, wexp, wdue, limit - held, now)
   end
 end
 

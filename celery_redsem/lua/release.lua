@@ -37,6 +37,6 @@ if result > 0 then
   local held, earliest = h.sweep_holders(holders, now)
   local left = h.sweep_waiters(waiters, wexp, wdue, now)
   redis.call('HSET', holders, ':queued', left, ':next', earliest)
-  h.wake(holders, waiters, wexp, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
+  h.wake(holders, waiters, wexp, wdue, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
 end
 return result
