@@ -96,7 +96,7 @@ def test_raise_policy_interrupts_the_running_thread(
 
     thread = threading.Thread(target=body)
     thread.start()
-    armed.wait(5)
+    assert armed.wait(5), "the body never armed its interrupt"
     heartbeat.track(held)
     sem.release(held.id)
     thread.join(10)
