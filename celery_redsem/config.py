@@ -12,6 +12,7 @@ app its own Redis client, rebuilt in a forked child instead of reusing the paren
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -43,6 +44,8 @@ LOST_LEASE_POLICIES = ("log", "raise")
 
 #: redis-py options used unless ``redsem_redis_options`` overrides them: bounded socket waits,
 #: so a hung connection cannot stall the heartbeat for longer than a lease.
+logger = logging.getLogger(__name__)
+
 DEFAULT_REDIS_OPTIONS: Mapping[str, Any] = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
 
 
@@ -292,7 +295,21 @@ def get_config(app: Celery) -> RedsemConfig:
         if config is None:
             config = RedsemConfig.from_conf(app.conf)
             _configs[app] = config
+            _warn_if_refresh_can_stall(config)
         return config
+
+
+def _warn_if_refresh_can_stall(config: RedsemConfig) -> None:
+    """Log a warning when one hung Redis call could outlast a heartbeat interval (lease/3)."""
+    timeout = config.redis_options.get("socket_timeout")
+    if isinstance(timeout, int | float) and timeout > config.lease / 3:
+        logger.warning(
+            "celery_redsem: socket_timeout=%ss in redsem_redis_options is longer than a "
+            "heartbeat interval (redsem_lease=%ss / 3): one hung refresh can hold up the others "
+            "for longer than that; use a socket_timeout of at most lease/3",
+            timeout,
+            config.lease,
+        )
 
 
 def get_client(app: Celery) -> RedisClient:

@@ -127,3 +127,14 @@ def test_celery_proxies_share_the_apps_config_and_client(redis_url: str) -> None
         assert get_client(current_app).ping()
     finally:
         _state._tls.current_app = previous
+
+
+@pytest.mark.parametrize(("lease", "warns"), [(1.0, True), (10.0, False)])
+def test_a_socket_timeout_longer_than_a_heartbeat_interval_is_warned_about(
+    caplog: pytest.LogCaptureFixture, lease: float, warns: bool
+) -> None:
+    app = Celery("redsem-stall", broker="memory://", set_as_current=False)
+    app.conf.redsem_lease = lease  # the default socket_timeout is 2 s
+    caplog.set_level("WARNING", logger="celery_redsem.config")
+    get_config(app)
+    assert any("heartbeat interval" in r.getMessage() for r in caplog.records) == warns
