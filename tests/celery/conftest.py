@@ -96,9 +96,12 @@ class WorkerProcess:
         log: Path,
         *extra: str,
         conf: dict[str, object] | None = None,
+        app_module: str = "tests.celery.worker_app",
+        env: dict[str, str] | None = None,
     ) -> None:
         env = {
             **os.environ,
+            **(env or {}),
             "REDSEM_TEST_APP_URL": redis_url,
             "REDSEM_TEST_APP_PREFIX": prefix,
             "REDSEM_TEST_APP_CONF": json.dumps(conf or {}),
@@ -112,7 +115,7 @@ class WorkerProcess:
                 "-m",
                 "celery",
                 "-A",
-                "tests.celery.worker_app",
+                app_module,
                 "worker",
                 "-P",
                 "prefork",
@@ -136,6 +139,9 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         wait_until(

@@ -8,12 +8,7 @@ children survive, the heartbeat saw the outage, and on new keys the limit holds 
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +18,7 @@ import pytest
 import redis
 from celery import Celery
 
+from tests.celery.conftest import WorkerProcess
 from tests.celery.tasks import make_app
 from tests.servers import ServerProcess, server_process, wait_until
 
@@ -32,47 +28,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 3  # of the ``t.counted`` task
 LEASE = 1.0  # redsem_lease of the test app
-
-
-class ChaosWorker:
-    """A ``celery worker`` subprocess (prefork) running :mod:`tests.scale.chaos_app`."""
-
-    def __init__(self, env: dict[str, str], name: str, log: Path) -> None:
-        self.log_path = log
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(
-            [
-                *[sys.executable, "-m", "celery", "-A", "tests.scale.chaos_app", "worker"],
-                *["-P", "prefork", "-c", "3", "-n", f"{name}@%h", "-l", "INFO"],
-                *["--without-gossip", "--without-mingle", "--without-heartbeat"],
-            ],
-            cwd=ROOT,
-            env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        try:
-            if self.alive():
-                self.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(15)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-            self._log.close()
 
 
 @pytest.fixture
@@ -136,12 +93,19 @@ def test_redis_killed_and_restarted_empty_under_prefork_workers(
     redis_url: str, chaos_prefix: str, semaphore_server: ServerProcess, tmp_path: Path
 ) -> None:
     app = make_app(redis_url, chaos_prefix, redsem_redis_url=semaphore_server.url)
-    env = {
-        "REDSEM_TEST_APP_URL": redis_url,
-        "REDSEM_TEST_APP_PREFIX": chaos_prefix,
-        "REDSEM_CHAOS_SEMAPHORE_URL": semaphore_server.url,
-    }
-    workers = [ChaosWorker(env, f"chaos{i}", tmp_path / f"chaos{i}.log") for i in range(2)]
+    env = {"REDSEM_CHAOS_SEMAPHORE_URL": semaphore_server.url}
+    workers = [
+        WorkerProcess(
+            redis_url,
+            chaos_prefix,
+            f"chaos{i}",
+            3,
+            tmp_path / f"chaos{i}.log",
+            app_module="tests.scale.chaos_app",
+            env=env,
+        )
+        for i in range(2)
+    ]
     outage: list[float] = []
     before = ["before0", "before1"]
 
@@ -159,12 +123,7 @@ def test_redis_killed_and_restarted_empty_under_prefork_workers(
 
     try:
         for worker in workers:
-            wait_until(
-                lambda w=worker: "ready." in w.log() or not w.alive(),  # type: ignore[misc]
-                60,
-                what="worker ready",
-            )
-            assert worker.alive(), worker.log()
+            worker.wait_ready()
         outs = _successes(_run_tasks(app, before, 30, 0.25, during=kill_and_restart))
         assert len(outs) == 30, "every task finished"
         assert all(w.alive() for w in workers), "a worker crashed"
