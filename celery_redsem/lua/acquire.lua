@@ -31,6 +31,19 @@ next_expiry, horizon, ticket = tonumber(next_expiry or 0), tonumber(horizon or 0
 local seen_queued, seen_next, seen_ticket = queued, next_expiry, ticket
 local expires = now + lease
 
+-- The fast path, taken on most task starts: a new caller, a permit free, nobody in line, and
+-- no counter but the fence to change. It comes before the closures below are created: each
+-- captures a dozen locals, which costs the server more than the rest of this path.
+if not mine and not fresh and queued == 0 and next_expiry ~= 0 and next_expiry <= expires
+    and horizon >= expires + half_idle and tonumber(stored_limit) == limit then
+  if redis.call('HLEN', holders) - COUNTERS < limit then
+    fence = math.max(fence + 1, now_us)
+    local entry = fmt(fence) .. ':' .. expires
+    redis.call('HSET', holders, ':fence', fence, id, entry)
+    return entry
+  end
+end
+
 -- Did anything but the fence change since the HMGET (or does the TTL need a push)?
 local function changed(new_horizon)
   return new_horizon ~= horizon or tonumber(stored_limit) ~= limit or queued ~= seen_queued
