@@ -58,6 +58,7 @@ __all__ = [
     "KeyFunction",
     "TaskGuard",
     "WaitState",
+    "call_arguments",
     "current_permit",
     "guards_of",
 ]
@@ -627,6 +628,18 @@ def _queue_of(task: Task[Any, Any], request: Context) -> str:
     """The queue (routing key) the task came through: return delays are learnt per queue."""
     info = request.delivery_info or {}
     return str(info.get("routing_key") or getattr(task, "queue", None) or task.name)
+
+
+def call_arguments(task: Task[Any, Any], args: Any) -> tuple[Any, ...]:
+    """The positional arguments the task's function receives for a message's ``args``.
+
+    With ``bind=True`` the function also receives the task. (``autoretry_for`` replaces
+    ``run`` with a plain function and keeps the bound one as ``_orig_run``.)
+    """
+    call_args = tuple(args or ())
+    if inspect.ismethod(getattr(task, "_orig_run", task.run)):
+        call_args = (task, *call_args)
+    return call_args
 
 
 def _granted_no_earlier_than(sem: FairSemaphore, started: float) -> float:

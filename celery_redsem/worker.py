@@ -22,7 +22,6 @@ At worker start a warning is logged when Redis' ``maxmemory-policy`` could evict
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import signal
@@ -41,7 +40,7 @@ from celery.worker.request import Request
 from .config import get_client, get_config
 from .errors import RedsemError
 from .semaphore import RedisClient
-from .task_guard import guards_of, iter_guarded_tasks
+from .task_guard import call_arguments, guards_of, iter_guarded_tasks
 
 __all__ = ["ReleasingRequest", "check_eviction_policy", "install_request_class", "release_task"]
 
@@ -56,11 +55,7 @@ def release_task(task: Task[Any, Any], task_id: str, args: Any, kwargs: Any) -> 
     guards = guards_of(task)
     if not guards or not task_id:
         return 0
-    call_args = tuple(args or ())
-    # bind=True: the function also receives the task. (autoretry_for replaces ``run`` with a
-    # plain function and keeps the bound one as ``_orig_run``.)
-    if inspect.ismethod(getattr(task, "_orig_run", task.run)):
-        call_args = (task, *call_args)
+    call_args = call_arguments(task, args)
     released = 0
     for guard in guards:
         try:
