@@ -53,13 +53,25 @@ def module_prefix(redis_url: str) -> Iterator[str]:
     _delete_prefix(redis_url, value)
 
 
+def close_app(app: Celery) -> None:
+    """Close a test app without leaving a socket behind.
+
+    AsyncResults in reference cycles unsubscribe (through the result backend's pub/sub
+    connection) when collected; collect them while the app is open, then close that connection.
+    """
+    gc.collect()
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+    app.close()
+
+
 @pytest.fixture(scope="module")
 def app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
     """The test app (tasks in tests/celery/tasks.py), not the default app."""
     application = make_app(redis_url, module_prefix)
     yield application
-    gc.collect()  # AsyncResults in reference cycles unsubscribe while the server is still up
-    application.close()
+    close_app(application)
 
 
 @pytest.fixture(scope="module")

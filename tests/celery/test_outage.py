@@ -17,6 +17,7 @@ from celery.contrib.testing.worker import start_worker
 from celery.signals import task_retry
 
 from celery_redsem import BackendError
+from tests.celery.conftest import close_app
 from tests.celery.tasks import make_app
 from tests.servers import ServerProcess, wait_until
 
@@ -45,7 +46,7 @@ def outage_app(redis_url: str, module_prefix: str, down_server: ServerProcess) -
         redsem_retry_backoff_max=0.1,
     )
     yield app
-    app.close()
+    close_app(app)
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_redis_down_at_acquire_retries_until_it_is_back(
 
         locked = outage_app.tasks["t.locked"].delay(key)  # max_retries=0
         wait_until(lambda: retries[locked.id] >= 3, 15, what="3 retries while Redis is down")
-        assert locked.state == "RETRY"
+        assert locked.state in {"RETRY", "STARTED"}  # between tries, or in one: not failed
         down_server.start()
         out = locked.get(timeout=15)
     assert out["name"] == f"locked:{key}"
@@ -111,4 +112,4 @@ def test_a_cluster_unreachable_at_first_use_is_retried_not_failed(
                 budget.get(timeout=15)
             assert retries[budget.id] >= 2
     finally:
-        app.close()
+        close_app(app)

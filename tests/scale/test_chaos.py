@@ -18,7 +18,7 @@ import pytest
 import redis
 from celery import Celery
 
-from tests.celery.conftest import WorkerProcess
+from tests.celery.conftest import WorkerProcess, close_app
 from tests.celery.tasks import make_app
 from tests.servers import ServerProcess, server_process, wait_until
 
@@ -143,4 +143,4 @@ def test_redis_killed_and_restarted_empty_under_prefork_workers(
         for worker in workers:
             worker.stop()
         gc.collect()
-        app.close()
+        close_app(app)
