@@ -428,33 +428,20 @@ def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) 
     keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
     now, limit, fence, flat_holders, flat_waiters = _run(STATE, client, [keys.holders], [], name)
     now = int(now)
-    holders = [
-        HolderInfo(
-            _text(flat_holders[i]), int(flat_holders[i + 1]), int(float(flat_holders[i + 2])), 0
-        )
-        for i in range(0, len(flat_holders), 3)
-    ]
-    waiters = [
-        WaiterInfo(
-            _text(flat_waiters[i]),
-            int(float(flat_waiters[i + 1])),
-            int(float(flat_waiters[i + 2])),
-            0,
-        )
-        for i in range(0, len(flat_waiters), 3)
-    ]
     return SemaphoreState(
         name=name,
         limit=int(limit) if limit else None,
         last_token=int(fence) if fence else None,
         now_ms=now,
-        holders=[
-            HolderInfo(h.permit_id, h.token, h.expires_at, h.expires_at - now) for h in holders
-        ],
-        waiters=[
-            WaiterInfo(w.permit_id, w.ticket, w.expires_at, w.expires_at - now) for w in waiters
-        ],
+        holders=[HolderInfo(pid, n, at, at - now) for pid, n, at in _triples(flat_holders)],
+        waiters=[WaiterInfo(pid, n, at, at - now) for pid, n, at in _triples(flat_waiters)],
     )
+
+
+def _triples(flat: list[Any]) -> Iterator[tuple[str, int, int]]:
+    """state.lua's flat ``id, number, expiry ms, ...`` lists as typed triples."""
+    for i in range(0, len(flat), 3):
+        yield _text(flat[i]), int(float(flat[i + 1])), int(float(flat[i + 2]))
 
 
 def refresh_permits(
