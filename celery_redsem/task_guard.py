@@ -397,12 +397,14 @@ class TaskGuard:
             return again
         due_ms = now_ms + round(countdown * 1000)
         after = WaitState(wait.attempts + 1, first_ms, wait.errors, due_ms, 0)
-        sig = self._publish_retry(task, request, countdown, after, release=sem)
-        raise Retry(
-            f"no permit of {sem.name!r} (limit {sem.limit}) yet; "
-            f"position {result.position} in line, asking again in {countdown:.3f}s",
-            when=cast(Any, countdown),
-            sig=sig,
+        raise self._publish_retry(
+            task,
+            request,
+            countdown,
+            after,
+            release=sem,
+            reason=f"no permit of {sem.name!r} (limit {sem.limit}) yet; "
+            f"position {result.position} in line",
         )
 
     def _retry_after_error(
@@ -463,13 +465,14 @@ class TaskGuard:
             wait.due_ms,
             offline_ms + round(countdown * 1000),
         )
-        sig = self._publish_retry(task, request, countdown, after, release=None)
-        raise Retry(
-            f"Redis failed while asking for a permit of {name!r}: {error}; "
-            f"asking again in {countdown:.3f}s",
-            exc=error,
-            when=cast(Any, countdown),
-            sig=sig,
+        raise self._publish_retry(
+            task,
+            request,
+            countdown,
+            after,
+            release=None,
+            reason=f"Redis failed while asking for a permit of {name!r}: {error}",
+            error=error,
         )
 
     def _publish_retry(
@@ -480,8 +483,11 @@ class TaskGuard:
         wait: WaitState,
         *,
         release: FairSemaphore | None,
-    ) -> Any:
-        """Re-publish the task (same id) with ``countdown`` and ``wait`` in its header.
+        reason: str,
+        error: Exception | None = None,
+    ) -> Retry:
+        """Re-publish the task (same id) with ``countdown`` and ``wait`` in its header; return
+        the Celery ``Retry`` for the caller to raise, so this run ends in state RETRY.
 
         If publishing fails, the place in ``release`` (if given) is given up before re-raising.
         """
@@ -494,7 +500,12 @@ class TaskGuard:
             if release is not None:
                 _release(release, cast(str, request.id))
             raise
-        return sig
+        return Retry(
+            f"{reason}; asking again in {countdown:.3f}s",
+            exc=error,
+            when=cast(Any, countdown),
+            sig=sig,
+        )
 
     def release_by_id(
         self,
