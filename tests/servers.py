@@ -349,16 +349,22 @@ class Replicated:
     replicas: list[ServerProcess]
 
 
+def _start_primary(stack: ExitStack, directory: Path, options: list[str]) -> ServerProcess:
+    """A primary in ``directory``/primary, killed when ``stack`` closes."""
+    primary_dir = directory / "primary"
+    primary_dir.mkdir()
+    primary = ServerProcess(options, primary_dir)
+    stack.callback(primary.kill)
+    primary.start()
+    return primary
+
+
 @contextmanager
 def primary_with_replica(n_replicas: int = 1) -> Iterator[Replicated]:
     """Start a primary and ``n_replicas`` replicas (``--replicaof``), yielded once in sync."""
     sync = list(REPLICATION_OPTIONS)
     with _tempdir("repl") as directory, ExitStack() as stack:
-        primary_dir = directory / "primary"
-        primary_dir.mkdir()
-        primary = ServerProcess(sync, primary_dir)
-        stack.callback(primary.kill)
-        primary.start()
+        primary = _start_primary(stack, directory, sync)
         replicas = _start_replicas(stack, directory, primary, n_replicas, sync)
         yield Replicated(primary, replicas)
 
@@ -410,11 +416,7 @@ def sentinel_setup(master_name: str = "redsem-primary") -> Iterator[SentinelSetu
     """
     sync = list(REPLICATION_OPTIONS)
     with _tempdir("sentinel") as directory, ExitStack() as stack:
-        primary_dir = directory / "primary"
-        primary_dir.mkdir()
-        primary = ServerProcess(sync, primary_dir)
-        stack.callback(primary.kill)
-        primary.start()
+        primary = _start_primary(stack, directory, sync)
         (replica,) = _start_replicas(stack, directory, primary, 1, sync)
         sentinel_dir = directory / "sentinel"
         sentinel_dir.mkdir()

@@ -114,38 +114,23 @@ def test_celery_redsem_status_from_the_example_directory(example, account, redis
     held = sem.acquire(permit_id="task-xyz")
     assert isinstance(held, Permit)
     env = {**os.environ, "REDIS_URL": redis_url, "DJANGO_SETTINGS_MODULE": "proj.settings"}
-    out = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "proj", "redsem", "--prefix", prefix, "status"],
-        cwd=EXAMPLE_DIR,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+
+    def redsem(*args: str) -> str:
+        """``celery -A proj redsem --prefix PREFIX ARGS`` run from the example's directory."""
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "proj", "redsem", "--prefix", prefix, *args],
+            cwd=EXAMPLE_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+
+    out = redsem("status")
     assert re.search(rf"market:{account}\s+limit 5\s+held 1/5", out), out
     assert "holder  task-xyz" in out
-    as_json = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "proj",
-            "redsem",
-            "--prefix",
-            prefix,
-            "inspect",
-            f"market:{account}",
-            "--json",
-        ],
-        cwd=EXAMPLE_DIR,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    as_json = redsem("inspect", f"market:{account}", "--json")
     assert json.loads(as_json)["holders"][0]["permit_id"] == "task-xyz"
 
 
