@@ -97,6 +97,11 @@ SETTINGS: tuple[Setting, ...] = (
         "Longest wait in the worker slot for a permit that is near, instead of a retry; 0: never.",
     ),
     Setting(
+        "redsem_worker_admission",
+        True,
+        "Prefork workers hand a guarded task to a pool child only once it has its permit.",
+    ),
+    Setting(
         "redsem_waiter_margin",
         5.0,
         "Seconds a retried task keeps its place in line beyond the time it is expected back.",
@@ -144,6 +149,7 @@ class RedsemConfig:
     retry_jitter: bool = True
     retry_min_countdown: float = 0.02
     head_wait: float = 1.0
+    worker_admission: bool = True
     waiter_margin: float = 5.0
     max_wait: float | None = 3600.0
     lost_lease_policy: str = "log"
@@ -176,6 +182,7 @@ class RedsemConfig:
             retry_jitter=read.boolean("redsem_retry_jitter"),
             retry_min_countdown=read.seconds("redsem_retry_min_countdown", zero_ok=True),
             head_wait=read.seconds("redsem_head_wait", zero_ok=True),
+            worker_admission=read.boolean("redsem_worker_admission"),
             waiter_margin=read.seconds("redsem_waiter_margin"),
             max_wait=read.seconds("redsem_max_wait", none_ok=True),
             lost_lease_policy=read.choice("redsem_lost_lease_policy", LOST_LEASE_POLICIES),

@@ -322,7 +322,8 @@ class TaskGuard:
                 task, request, sem.name, config, wait, error=exc, started=started
             )
 
-    def _max_wait(self, config: RedsemConfig) -> float | None:
+    def max_wait_for(self, config: RedsemConfig) -> float | None:
+        """This guard's wait budget in seconds under ``config`` (None: no cap)."""
         max_wait = self.max_wait if self.max_wait is not None else config.max_wait
         return None if max_wait is None or math.isinf(max_wait) else max_wait
 
@@ -348,7 +349,7 @@ class TaskGuard:
         # reach it before that.
         first_ms = wait.first_ms or now_ms - wait.offline_ms
         waited = max(0, now_ms - first_ms) / 1000
-        max_wait = self._max_wait(config)
+        max_wait = self.max_wait_for(config)
         hold = hold_times.estimate(task.name)
         budget = head_wait_budget(
             position=result.position,
@@ -429,7 +430,7 @@ class TaskGuard:
         # Without a server clock: the wait known at the last answer, plus the time offline.
         known = max(0, wait.due_ms - wait.first_ms) if wait.first_ms else 0
         waited = (known + offline_ms) / 1000
-        max_wait = self._max_wait(config)
+        max_wait = self.max_wait_for(config)
         if max_wait is not None and waited >= max_wait:
             raise BackendError(
                 f"task {task.name}[{task_id}] could not get a permit of {name!r} "

@@ -14,8 +14,12 @@ releases by task id, which frees whatever grant or place in line the id has:
   released on ``Terminated``.
 * ``task_revoked`` for a task revoked before it ran gives up its place in the waiting line.
 
-Warm shutdown needs nothing: running tasks finish and release in the child; tasks waiting with
-a countdown keep their place and come back after redelivery.
+Warm shutdown needs nothing: running tasks finish and release in the child; tasks parked by
+:mod:`~celery_redsem.admission` or waiting with a countdown keep their place and come back
+after redelivery.
+
+At ``worker_init`` :func:`~celery_redsem.admission.install_admission` also hooks the worker's
+dispatch (``redsem_worker_admission``).
 
 At worker start a warning is logged when Redis' ``maxmemory-policy`` could evict semaphore keys.
 """
@@ -37,6 +41,7 @@ from celery.signals import task_revoked, worker_init
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
+from .admission import install_admission
 from .config import get_client, get_config
 from .errors import RedsemError
 from .semaphore import RedisClient
@@ -165,6 +170,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         install_request_class(task)
     try:
         config = get_config(app)
+        if config.worker_admission:
+            install_admission(sender, app)
         if config.check_eviction_policy:
             warning = check_eviction_policy(get_client(app))
             if warning:

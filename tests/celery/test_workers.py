@@ -26,11 +26,12 @@ def workers(
 ) -> Iterator[list[WorkerProcess]]:
     """Two prefork workers with 4 slots each, consuming the default queue.
 
-    They never wait at the head of the line (``redsem_head_wait=0``), so contention always goes
-    through Celery retries.
+    Admission at dispatch is off and they never wait at the head of the line
+    (``redsem_head_wait=0``), so contention always goes through Celery retries (the path of
+    pools without admission; ``test_admission`` covers the default).
     """
     logs = tmp_path_factory.mktemp("workers")
-    conf = {"redsem_head_wait": 0.0}
+    conf = {"redsem_head_wait": 0.0, "redsem_worker_admission": False}
     procs = [
         WorkerProcess(redis_url, module_prefix, f"w{i}", 4, logs / f"w{i}.log", conf=conf)
         for i in range(2)

@@ -1,0 +1,305 @@
+"""Admission at dispatch: a prefork worker gives a pool slot only to a task that has its permit.
+
+The prefork pool's main process hands a task to a child only when one of its slots is free
+(Celery's slot semaphore). Just then, for a task with one guard, :class:`Admission` asks for
+the permit (one round trip, joining the FIFO line under the task id):
+
+* **Granted**: the task goes to the child, which finds the permit already its own.
+* **Not granted**: the task is *parked* in the main process and its slot goes to the next task,
+  so a contended task costs no slot time and no trip through the broker. Its place in line does
+  not hold a free permit while it is parked (``back_in``), so nobody waits for it. It asks again
+  when its turn is expected (its position over the speed at which its line has been moving,
+  learnt from the tries of parked tasks), and then goes to the front of the slot queue.
+
+A parked task stays reserved by the worker, unacknowledged: if the worker stops or loses its
+broker connection, the broker delivers the message again (a parked task from a lost connection
+is dropped, never run twice). Its total wait counts toward ``redsem_max_wait``; once that is
+spent it goes to a child, which fails it with :class:`~celery_redsem.AcquireTimeout`.
+
+Anything unusual hands the task to the child unchanged, which then waits or retries as
+:mod:`celery_redsem.task_guard` describes: pools without a slot semaphore (solo, threads,
+gevent, eventlet), tasks with several guards, a key function that fails (the child reports it),
+``min_replicas`` (its ``WAIT`` would stall the event loop), and Redis errors (admission pauses
+for :data:`PAUSE_AFTER_ERROR` seconds). ``redsem_worker_admission = False`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from celery.app.task import Context
+
+from .backoff import hold_times
+from .config import get_config
+from .errors import BackendError
+from .permits import Permit
+from .task_guard import (
+    WAIT_HEADER,
+    WaitState,
+    _attempt,
+    _read_wait_header,
+    _server_ms,
+    call_arguments,
+    guards_of,
+)
+
+__all__ = ["PAUSE_AFTER_ERROR", "Admission", "install_admission", "park_time"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds admission hands every task straight to the pool after a Redis error.
+PAUSE_AFTER_ERROR = 5.0
+#: Bounds on how long a parked task waits before it asks again.
+MIN_PARK = 0.002
+MAX_PARK = 1.0
+#: Until a hold time of its task is known, a parked task asks again after this, doubling.
+FIRST_PARK = 0.01
+#: A parked task asks again a little before its turn is expected.
+EARLY = 0.8
+
+
+def park_time(*, position: int, limit: int, hold: float | None, tries: int) -> float:
+    """Seconds a parked task at ``position`` waits before asking again.
+
+    About when ``position`` holders of ``hold`` seconds have left a ``limit`` semaphore, a
+    little early; until a hold time is known, :data:`FIRST_PARK` doubling with each try.
+    """
+    if hold is None:
+        return min(MAX_PARK, FIRST_PARK * 2.0**tries)
+    return min(MAX_PARK, max(MIN_PARK, EARLY * position * hold / limit))
+
+
+@dataclass
+class _Parked:
+    """A request parked for its permit."""
+
+    req: Any
+    name: str
+    position: int
+    first_ms: int  # server ms when its wait began
+    tries: int
+    connection: Any  # the consumer's broker connection when it was parked
+    timer: Any = None
+
+
+class Admission:
+    """Asks for the permit of a guarded task when a pool slot is free; parks it if none is."""
+
+    def __init__(self, controller: Any, app: Celery) -> None:
+        self.controller = controller
+        self.app = app
+        #: Parked requests by task id.
+        self.parked: dict[str, _Parked] = {}
+        self._dispatch = controller._process_task  # the worker's own: hands to the pool
+        self._usable: bool | None = None
+        self._paused_until = 0.0
+
+    # -- the hook -------------------------------------------------------------------------
+
+    def process_task(self, req: Any) -> Any:
+        """Stands in for the worker's ``_process_task``: called with a slot taken for ``req``."""
+        earlier = self.parked.pop(req.id, None)
+        if not self._admits(req):
+            return self._dispatch(req)
+        try:
+            name = self._ask(req, earlier)
+        except BackendError as exc:
+            self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR
+            logger.warning(
+                "celery_redsem: admission paused for %.0fs after a Redis error: %s",
+                PAUSE_AFTER_ERROR,
+                exc,
+            )
+            name = None
+        except Exception:  # never lose a task to a bug here: the child decides
+            logger.exception("celery_redsem: admission failed for %s[%s]", req.name, req.id)
+            name = None
+        if req.id in self.parked:
+            return None
+        if name is not None:
+            self._watch(req, name)
+        return self._dispatch(req)
+
+    def _admits(self, req: Any) -> bool:
+        if self._usable is None:
+            self._usable = _slot_semaphore(self.controller) is not None
+            if not self._usable:
+                logger.debug("celery_redsem: this pool has no slot semaphore: no admission")
+        if not self._usable or time.monotonic() < self._paused_until:
+            return False
+        task = getattr(req, "task", None)
+        return task is not None and len(guards_of(task)) == 1 and not req.revoked()
+
+    # -- asking ---------------------------------------------------------------------------
+
+    def _ask(self, req: Any, earlier: _Parked | None) -> str | None:
+        """Ask for ``req``'s permit: its semaphore's name if granted; None if the child should
+        decide; if not granted, parks ``req`` (its slot given back)."""
+        task = req.task
+        (guard,) = guards_of(task)
+        config = get_config(self.app)
+        try:
+            name = guard.name_for(task.name, call_arguments(task, req.args), req.kwargs or {})
+        except Exception:  # the child reports a bad key function, visibly
+            return None
+        sem = guard.semaphore(self.app, name, config)
+        if sem.min_replicas:
+            return None
+        present = config.waiter_margin + config.retry_min_countdown
+        result = _attempt(sem, req.id, waiter_lease=present)
+        if isinstance(result, Permit):
+            return name
+        if earlier is not None:
+            first_ms = earlier.first_ms
+        else:
+            first_ms = _read_wait(req).first_ms or _server_ms(result, present)
+        tries = earlier.tries + 1 if earlier is not None else 0
+        park = park_time(
+            position=result.position,
+            limit=sem.limit,
+            hold=hold_times.estimate(task.name),
+            tries=tries,
+        )
+        waited = (_server_ms(result, present) - first_ms) / 1000
+        max_wait = guard.max_wait_for(config)
+        if max_wait is not None:
+            if waited >= max_wait:  # the child fails it with AcquireTimeout
+                _stamp_wait(req, first_ms)
+                return None
+            park = min(park, max(MIN_PARK, max_wait - waited))
+        again = _attempt(sem, req.id, waiter_lease=park + config.waiter_margin, back_in=park)
+        if isinstance(again, Permit):
+            return name
+        self._park(_Parked(req, name, again.position, first_ms, tries, None), park)
+        return None
+
+    # -- finished tasks wake parked ones -------------------------------------------------
+
+    def _watch(self, req: Any, name: str) -> None:
+        """When ``req`` (granted here) ends, learn its hold and wake a task parked on ``name``.
+
+        The pool calls the request's ``on_success`` or ``on_failure`` bound when it is handed
+        over, so wrapping them on the instance sees every end.
+        """
+        started = time.monotonic()
+        task_name = req.task.name
+        done = False
+
+        def finished() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                hold_times.observe(task_name, time.monotonic() - started)
+                self._wake_one(name)
+
+        def wrap(callback: Any) -> Any:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return callback(*args, **kwargs)
+                finally:
+                    finished()
+
+            return wrapped
+
+        req.on_success = wrap(req.on_success)
+        req.on_failure = wrap(req.on_failure)
+
+    def _wake_one(self, name: str) -> None:
+        """A permit of ``name`` was given back here: the first task parked on it asks again."""
+        waiting = [p for p in self.parked.values() if p.name == name]
+        if waiting:
+            first = min(waiting, key=lambda p: p.position)
+            with suppress(Exception):
+                self.controller.timer.cancel(first.timer)
+            self._resume(first.req)
+
+    # -- parking --------------------------------------------------------------------------
+
+    def _park(self, parked: _Parked, seconds: float) -> None:
+        controller = self.controller
+        consumer = controller.consumer
+        parked.connection = getattr(consumer, "connection", None)
+        self.parked[parked.req.id] = parked
+        consumer.qos.increment_eventually()  # as for an ETA task: keep fetching others
+        parked.timer = controller.timer.call_after(seconds, self._resume, (parked.req,), priority=6)
+        semaphore = _slot_semaphore(controller)
+        assert semaphore is not None
+        hub = getattr(controller, "hub", None)
+        if hub is not None:  # not now: release() may hand the slot to the next task at once
+            hub.call_soon(semaphore.release)
+        else:
+            semaphore.release()
+
+    def _resume(self, req: Any) -> None:
+        """``req`` asks again, first in the slot queue."""
+        parked = self.parked.get(req.id)
+        if parked is None or parked.timer is None:
+            return
+        parked.timer = None  # resumed once: a later timer or wake-up does nothing
+        consumer = self.controller.consumer
+        consumer.qos.decrement_eventually()
+        if getattr(consumer, "connection", None) is not parked.connection:
+            self.parked.pop(req.id, None)  # its message will be delivered again
+            return
+        semaphore = _slot_semaphore(self.controller)
+        assert semaphore is not None
+        if semaphore.value > 0:
+            semaphore.acquire(self.controller._process_task, req)
+        else:
+            semaphore._waiting.appendleft((self.controller._process_task, (req,), {}))
+
+
+def _slot_semaphore(controller: Any) -> Any:
+    """The worker's slot semaphore (a kombu ``LaxBoundedSemaphore``) if its pool uses one."""
+    semaphore = getattr(controller, "semaphore", None)
+    uses_it = getattr(controller, "process_task", None) == getattr(
+        controller, "_process_task_sem", object()
+    )
+    if (
+        semaphore is None
+        or not uses_it
+        or not isinstance(getattr(semaphore, "_waiting", None), deque)
+        or getattr(controller, "timer", None) is None
+        or getattr(controller, "consumer", None) is None
+    ):
+        return None
+    return semaphore
+
+
+def _read_wait(req: Any) -> WaitState:
+    return _read_wait_header(Context(req.request_dict))
+
+
+def _stamp_wait(req: Any, first_ms: int) -> None:
+    """Tell the child when the wait began (it fails the task once ``max_wait`` is spent)."""
+    request_dict = req.request_dict
+    wait = _read_wait(req)
+    value = WaitState(wait.attempts, first_ms, wait.errors, 0, 0).header(
+        int(request_dict.get("retries") or 0)
+    )
+    request_dict[WAIT_HEADER] = value
+    headers = request_dict.get("headers")
+    if isinstance(headers, dict):
+        request_dict["headers"] = {**headers, WAIT_HEADER: value}
+
+
+def install_admission(controller: Any, app: Celery) -> Admission | None:
+    """Install :class:`Admission` on a worker (at ``worker_init``); None if already there."""
+    if isinstance(getattr(controller, "_redsem_admission", None), Admission):
+        return None
+    admission = Admission(controller, app)
+    controller._redsem_admission = admission
+    controller._process_task = admission.process_task
+    return admission
+
+
+def parked_count(controller: Any) -> int:
+    """How many tasks the worker ``controller`` has parked (0 without admission)."""
+    admission = getattr(controller, "_redsem_admission", None)
+    return len(admission.parked) if isinstance(admission, Admission) else 0

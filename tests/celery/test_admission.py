@@ -1,0 +1,153 @@
+"""Admission at dispatch in real prefork workers: a task without its permit holds no pool slot."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redsem import AcquireTimeout
+from celery_redsem.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
+from tests.celery.conftest import WorkerProcess, holder
+from tests.servers import wait_until
+
+
+def test_park_time_follows_the_line_and_is_bounded() -> None:
+    # Unknown hold: short, doubling with each try, capped.
+    assert park_time(position=3, limit=2, hold=None, tries=0) == FIRST_PARK
+    assert park_time(position=3, limit=2, hold=None, tries=2) == 4 * FIRST_PARK
+    assert park_time(position=3, limit=2, hold=None, tries=30) == MAX_PARK
+    # Known hold: a little before `position` holders of `hold` left a `limit` semaphore.
+    assert 0.6 * 1.0 < park_time(position=4, limit=2, hold=0.5, tries=0) < 1.0
+    assert park_time(position=1, limit=100, hold=0.001, tries=0) == MIN_PARK
+    assert park_time(position=10_000, limit=1, hold=60.0, tries=0) == MAX_PARK
+
+
+@pytest.fixture(scope="module")
+def admitting_workers(
+    redis_url: str, module_prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[WorkerProcess]]:
+    """Two prefork workers with 2 slots each and admission on (the default).
+
+    ``redsem_head_wait`` is long: a task that reached a child without its permit would sit in
+    its slot for up to 10 s, which the tests below would see as an active task.
+    """
+    logs = tmp_path_factory.mktemp("admission")
+    conf = {"redsem_head_wait": 10.0}
+    procs = [
+        WorkerProcess(redis_url, module_prefix, f"a{i}", 2, logs / f"a{i}.log", conf=conf)
+        for i in range(2)
+    ]
+    try:
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+        if os.environ.get("REDSEM_TEST_SHOW_WORKER_LOGS"):
+            for proc in procs:
+                print(proc.log())
+
+
+def _counter(app: Celery) -> redis.Redis:
+    return redis.Redis.from_url(app.conf.broker_url)
+
+
+def _task_ids(replies: dict[str, list[dict[str, object]]] | None) -> set[str]:
+    return {str(task["id"]) for tasks in (replies or {}).values() for task in tasks}
+
+
+@pytest.mark.slow
+def test_limit_holds_across_workers_without_contention_retries(
+    app: Celery, admitting_workers: list[WorkerProcess], key: str
+) -> None:
+    results = [app.tasks["t.counted"].delay(key, 0.1) for _ in range(18)]
+    outs = [r.get(timeout=60) for r in results]
+    prefix = app.conf.redsem_key_prefix
+    assert int(_counter(app).get(f"{prefix}:t:max:{key}") or 0) == 3  # reached, never passed
+    assert int(_counter(app).get(f"{prefix}:t:cur:{key}") or 0) == 0
+    # 4 slots, limit 3: tasks were contended, and waited parked, never through a retry.
+    assert all(out["contention_retries"] == 0 and out["retries"] == 0 for out in outs)
+    state = holder(app, f"counted:{key}", 3).state()
+    assert state.holders == []
+    assert state.waiters == []
+
+
+@pytest.mark.slow
+def test_a_parked_task_holds_no_slot_and_runs_once_the_permit_frees(
+    app: Celery, admitting_workers: list[WorkerProcess], key: str
+) -> None:
+    sem = holder(app, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    result = app.tasks["t.locked"].delay(key)
+    inspect = app.control.inspect(timeout=1.0)
+    wait_until(lambda: result.id in _task_ids(inspect.reserved()), 20, what="task reserved")
+    # Parked in a worker's main process: reserved, never handed to a child, in line.
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert result.id not in _task_ids(inspect.active())
+    assert [w.permit_id for w in sem.state().waiters] == [result.id]
+    # Others still get every slot: 3 tasks of 0.3 s on another key run side by side.
+    started = time.monotonic()
+    others = [app.tasks["t.counted"].delay(f"{key}-other", 0.3) for _ in range(3)]
+    for other in others:
+        other.get(timeout=20)
+    assert time.monotonic() - started < 3.0
+    assert result.state == "PENDING"
+    sem.release(blocker)
+    released = time.monotonic()
+    out = result.get(timeout=20)
+    assert out["contention_retries"] == 0
+    assert time.monotonic() - released < MAX_PARK + 1.5  # asked again within its longest park
+    assert sem.state().holders == []
+
+
+@pytest.mark.slow
+def test_a_parked_task_fails_visibly_when_its_wait_budget_is_spent(
+    app: Celery, admitting_workers: list[WorkerProcess], key: str
+) -> None:
+    sem = holder(app, f"budget:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    started = time.monotonic()
+    result = app.tasks["t.budget"].delay(key)  # max_wait=0.5
+    with pytest.raises(AcquireTimeout, match=r"max_wait=0\.5"):
+        result.get(timeout=20)
+    assert time.monotonic() - started < 5.0
+    assert result.state == "FAILURE"
+    assert sem.state().waiters == []
+    sem.release(blocker)
+
+
+@pytest.mark.slow
+def test_a_task_parked_at_warm_shutdown_runs_after_redelivery(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    sem = holder(app, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    queue = f"park-{key}"
+    first = WorkerProcess(redis_url, module_prefix, "p1", 1, tmp_path / "p1.log", "-Q", queue)
+    try:
+        first.wait_ready()
+        result = app.tasks["t.locked"].apply_async((key,), queue=queue)
+        inspect = app.control.inspect(timeout=1.0, destination=[f"p1@{socket.gethostname()}"])
+        wait_until(lambda: result.id in _task_ids(inspect.reserved()), 20, what="task parked")
+    finally:
+        first.stop()  # warm shutdown with the task parked: its message goes back to the broker
+    assert result.state == "PENDING"
+    sem.release(blocker)
+    second = WorkerProcess(redis_url, module_prefix, "p2", 1, tmp_path / "p2.log", "-Q", queue)
+    try:
+        second.wait_ready()
+        assert result.get(timeout=20)["contention_retries"] == 0
+    finally:
+        second.stop()
