@@ -196,6 +196,8 @@ class Heartbeat:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        #: When the thread will next look (clock time); in the past while it is awake.
+        self._wake_at = 0.0
 
     def track(self, held: HeldPermit) -> HeldPermit:
         """Start refreshing ``held`` (and start the thread if needed)."""
@@ -212,7 +214,10 @@ class Heartbeat:
                     daemon=True,
                 )
                 self._thread.start()
-        self._wake.set()
+        # Wake the thread only if it would look too late for this permit: waking it on every
+        # task start makes it compete with the task for the GIL for nothing.
+        if held._next_due < self._wake_at:
+            self._wake.set()
         return held
 
     def untrack(self, held: HeldPermit) -> None:
@@ -303,6 +308,7 @@ def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:
         except Exception:  # the thread must survive anything; the next beat retries
             logger.exception("celery_redsem: heartbeat failed")
             wait = _FIRST_RETRY
+        heartbeat._wake_at = heartbeat._clock() + wait
         del heartbeat
         wake.wait(wait)
 

@@ -71,7 +71,7 @@ def test_contention_retries_keep_the_place_and_spare_max_retries(
     )
     ticket = sem.state().waiters[0].ticket
     wait_until(lambda: events.get(result.id, Counter())["retry-signal"] >= 3, 10, what="3 retries")
-    assert result.state == "RETRY"
+    assert result.state in ("RETRY", "STARTED")  # between two tries, or in one: not failed
     assert [(w.permit_id, w.ticket) for w in sem.state().waiters] == [(result.id, ticket)]
     sem.release(blocker)
     out = result.get(timeout=10)
