@@ -4,7 +4,8 @@ The prefork pool's main process hands a task to a child only when one of its slo
 (Celery's slot semaphore). Just then, for a task with one guard, :class:`Admission` asks for
 the permit (one round trip, joining the FIFO line under the task id):
 
-* **Granted**: the task goes to the child, which finds the permit already its own.
+* **Granted**: the task goes to the child with the permit (:mod:`~celery_redsem.handoff`), so
+  the child does not ask again.
 * **Not granted**: the task is *parked* in the main process and its slot goes to the next task,
   so a contended task costs no slot time and no trip through the broker. Its place in line does
   not hold a free permit while it is parked (``back_in``), so nobody waits for it. It asks again
@@ -38,6 +39,7 @@ from celery.app.task import Context
 from .backoff import hold_times
 from .config import get_config
 from .errors import BackendError
+from .handoff import clear_grant, hand_over
 from .permits import Permit
 from .task_guard import (
     WAIT_HEADER,
@@ -105,10 +107,11 @@ class Admission:
     def process_task(self, req: Any) -> Any:
         """Stands in for the worker's ``_process_task``: called with a slot taken for ``req``."""
         earlier = self.parked.pop(req.id, None)
+        clear_grant(req.request_dict)
         if not self._admits(req):
             return self._dispatch(req)
         try:
-            name = self._ask(req, earlier)
+            granted = self._ask(req, earlier)
         except BackendError as exc:
             self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR
             logger.warning(
@@ -116,14 +119,16 @@ class Admission:
                 PAUSE_AFTER_ERROR,
                 exc,
             )
-            name = None
+            granted = None
         except Exception:  # never lose a task to a bug here: the child decides
             logger.exception("celery_redsem: admission failed for %s[%s]", req.name, req.id)
-            name = None
+            granted = None
         if req.id in self.parked:
             return None
-        if name is not None:
-            self._watch(req, name)
+        if granted is not None:
+            permit, granted_at = granted
+            hand_over(req.request_dict, permit, granted_at)
+            self._watch(req, permit.name)
         return self._dispatch(req)
 
     def _admits(self, req: Any) -> bool:
@@ -138,9 +143,10 @@ class Admission:
 
     # -- asking ---------------------------------------------------------------------------
 
-    def _ask(self, req: Any, earlier: _Parked | None) -> str | None:
-        """Ask for ``req``'s permit: its semaphore's name if granted; None if the child should
-        decide; if not granted, parks ``req`` (its slot given back)."""
+    def _ask(self, req: Any, earlier: _Parked | None) -> tuple[Permit, float] | None:
+        """Ask for ``req``'s permit: the permit and the monotonic time it was asked for if
+        granted; None if not (then ``req`` is parked, its slot given back) or if the child
+        should decide."""
         task = req.task
         (guard,) = guards_of(task)
         config = get_config(self.app)
@@ -152,9 +158,10 @@ class Admission:
         if sem.min_replicas:
             return None
         present = config.waiter_margin + config.retry_min_countdown
+        asked = time.monotonic()
         result = _attempt(sem, req.id, waiter_lease=present)
         if isinstance(result, Permit):
-            return name
+            return result, asked
         if earlier is not None:
             first_ms = earlier.first_ms
         else:
@@ -173,9 +180,10 @@ class Admission:
                 _stamp_wait(req, first_ms)
                 return None
             park = min(park, max(MIN_PARK, max_wait - waited))
+        asked = time.monotonic()
         again = _attempt(sem, req.id, waiter_lease=park + config.waiter_margin, back_in=park)
         if isinstance(again, Permit):
-            return name
+            return again, asked
         self._park(_Parked(req, name, again.position, first_ms, tries, None), park)
         return None
 

@@ -48,6 +48,7 @@ from .backoff import (
 )
 from .config import LOST_LEASE_POLICIES, RedsemConfig, get_client, get_config
 from .errors import AcquireTimeout, BackendError, ConfigurationError, KeyFunctionError
+from .handoff import take_over
 from .heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
 from .keys import validate_name
 from .permits import Permit, Waiting
@@ -240,6 +241,7 @@ class TaskGuard:
         name = self.name_for(task_name, args, kwargs)
         request = task.request if task is not None and ours else None
         started = time.monotonic()
+        confirmed_at: float | None = None  # when the lease surely had not started yet
         if request is None or request.called_directly or request.is_eager:
             sem = self.semaphore(app, name, config)
             pid = (request.id if request is not None else None) or uuid.uuid4().hex
@@ -253,7 +255,11 @@ class TaskGuard:
                 self._retry_after_error(
                     task, request, name, config, wait, error=exc, started=started
                 )
-            permit = self._attempt_or_retry(task, request, sem, config)
+            handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
+            if handed is not None:  # granted in the worker's main process (admission)
+                permit, confirmed_at = handed
+            else:
+                permit = self._attempt_or_retry(task, request, sem, config)
         # From the grant on, every way out releases: nothing may run between it and the try.
         heartbeat = get_heartbeat()
         held: HeldPermit | None = None
@@ -266,7 +272,7 @@ class TaskGuard:
                 idle_ttl=config.idle_ttl,
                 lost_lease_policy=self.lost_lease_policy or config.lost_lease_policy,
                 task_name=task_name,
-                confirmed_at=_granted_no_earlier_than(sem, started),
+                confirmed_at=confirmed_at or _granted_no_earlier_than(sem, started),
             )
             heartbeat.track(held)
             token = _current.set(held)

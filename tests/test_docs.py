@@ -17,9 +17,9 @@ CONFVAL = re.compile(r"^\.\. confval:: (\S+)\s*$", re.MULTILINE)
 
 def not_settings() -> set[str]:
     """``redsem_*`` strings of the package that are not settings (a message header, ...)."""
-    from celery_redsem import task_guard
+    from celery_redsem import handoff, task_guard
 
-    return {task_guard.WAIT_HEADER}
+    return {task_guard.WAIT_HEADER, handoff.GRANT_FIELD}
 
 
 def _owner_name(node: ast.expr) -> str:

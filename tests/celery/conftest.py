@@ -19,6 +19,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import FairSemaphore, get_client
+from celery_redsem.handoff import GRANT_FIELD
 from tests.celery.tasks import make_app
 from tests.servers import wait_until
 
@@ -179,3 +180,22 @@ class WorkerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
             self._log.close()
+
+
+def forged_grant_runs_nothing(app: Celery, key: str) -> None:
+    """A message header posing as a handed-over grant does not get a task past a held lock."""
+    sem = holder(app, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    task_id = uuid.uuid4().hex
+    forged = ["0" * 32, task_id, f"locked:{key}", app.conf.redsem_key_prefix, 1, 2**41, 0.0]
+    result = app.tasks["t.locked"].apply_async(
+        (key,), task_id=task_id, headers={GRANT_FIELD: forged}
+    )
+    wait_until(
+        lambda: task_id in [w.permit_id for w in sem.state().waiters], 20, what="task in line"
+    )
+    assert not result.ready()
+    assert [h.permit_id for h in sem.state().holders] == [blocker.id]
+    sem.release(blocker)
+    assert result.get(timeout=20)["token"] > blocker.token

@@ -14,7 +14,7 @@ from celery import Celery
 
 from celery_redsem import AcquireTimeout
 from celery_redsem.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
-from tests.celery.conftest import WorkerProcess, holder
+from tests.celery.conftest import WorkerProcess, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
 
@@ -151,3 +151,10 @@ def test_a_task_parked_at_warm_shutdown_runs_after_redelivery(
         assert result.get(timeout=20)["contention_retries"] == 0
     finally:
         second.stop()
+
+
+@pytest.mark.slow
+def test_a_forged_grant_header_is_dropped_at_dispatch(
+    app: Celery, admitting_workers: list[WorkerProcess], key: str
+) -> None:
+    forged_grant_runs_nothing(app, key)

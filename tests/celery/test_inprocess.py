@@ -13,7 +13,7 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError
-from tests.celery.conftest import holder
+from tests.celery.conftest import forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
 
@@ -226,3 +226,7 @@ def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worke
     from celery_redsem.worker import ReleasingRequest
 
     assert issubclass(symbol_by_name(app.tasks["t.locked"].Request), ReleasingRequest)
+
+
+def test_a_forged_grant_header_is_not_trusted(app: Celery, worker: object, key: str) -> None:
+    forged_grant_runs_nothing(app, key)  # threads pool: nothing is parked, the header still goes
