@@ -88,6 +88,7 @@ class _Parked:
     tries: int
     connection: Any  # the consumer's broker connection when it was parked
     timer: Any = None
+    qos: Any = None  # the consumer's prefetch window it was counted in
 
 
 class Admission:
@@ -234,7 +235,8 @@ class Admission:
         consumer = controller.consumer
         parked.connection = getattr(consumer, "connection", None)
         self.parked[parked.req.id] = parked
-        consumer.qos.increment_eventually()  # as for an ETA task: keep fetching others
+        parked.qos = consumer.qos
+        parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
         parked.timer = controller.timer.call_after(seconds, self._resume, (parked.req,), priority=6)
         semaphore = _slot_semaphore(controller)
         assert semaphore is not None
@@ -251,7 +253,9 @@ class Admission:
             return
         parked.timer = None  # resumed once: a later timer or wake-up does nothing
         consumer = self.controller.consumer
-        consumer.qos.decrement_eventually()
+        # Give back the prefetch it took from the window it was counted in (after a
+        # reconnection the consumer has a new one, which never counted it).
+        parked.qos.decrement_eventually()
         if getattr(consumer, "connection", None) is not parked.connection:
             self.parked.pop(req.id, None)  # its message will be delivered again
             return
