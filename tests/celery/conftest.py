@@ -199,3 +199,27 @@ def forged_grant_runs_nothing(app: Celery, key: str) -> None:
     assert [h.permit_id for h in sem.state().holders] == [blocker.id]
     sem.release(blocker)
     assert result.get(timeout=20)["token"] > blocker.token
+
+
+@contextlib.contextmanager
+def running_workers(
+    redis_url: str, prefix: str, logs: Path, names: list[str], concurrency: int, **conf: object
+) -> Iterator[list[WorkerProcess]]:
+    """Prefork worker subprocesses named ``names``, ready; stopped (logs shown if asked) after.
+
+    ``REDSEM_TEST_SHOW_WORKER_LOGS=1`` prints their logs when they stop.
+    """
+    procs = [
+        WorkerProcess(redis_url, prefix, name, concurrency, logs / f"{name}.log", conf=conf)
+        for name in names
+    ]
+    try:
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+        if os.environ.get("REDSEM_TEST_SHOW_WORKER_LOGS"):
+            for proc in procs:
+                print(proc.log())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -14,7 +13,12 @@ from celery import Celery
 
 from celery_redsem import AcquireTimeout
 from celery_redsem.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
-from tests.celery.conftest import WorkerProcess, forged_grant_runs_nothing, holder
+from tests.celery.conftest import (
+    WorkerProcess,
+    forged_grant_runs_nothing,
+    holder,
+    running_workers,
+)
 from tests.servers import wait_until
 
 
@@ -38,22 +42,15 @@ def admitting_workers(
     ``redsem_head_wait`` is long: a task that reached a child without its permit would sit in
     its slot for up to 10 s, which the tests below would see as an active task.
     """
-    logs = tmp_path_factory.mktemp("admission")
-    conf = {"redsem_head_wait": 10.0}
-    procs = [
-        WorkerProcess(redis_url, module_prefix, f"a{i}", 2, logs / f"a{i}.log", conf=conf)
-        for i in range(2)
-    ]
-    try:
-        for proc in procs:
-            proc.wait_ready()
+    with running_workers(
+        redis_url,
+        module_prefix,
+        tmp_path_factory.mktemp("admission"),
+        ["a0", "a1"],
+        2,
+        redsem_head_wait=10.0,
+    ) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
-        if os.environ.get("REDSEM_TEST_SHOW_WORKER_LOGS"):
-            for proc in procs:
-                print(proc.log())
 
 
 def _counter(app: Celery) -> redis.Redis:

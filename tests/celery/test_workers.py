@@ -14,7 +14,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
 from celery_redsem import PermitLost
-from tests.celery.conftest import WorkerProcess, holder
+from tests.celery.conftest import WorkerProcess, holder, running_workers
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -30,22 +30,16 @@ def workers(
     (``redsem_head_wait=0``), so contention always goes through Celery retries (the path of
     pools without admission; ``test_admission`` covers the default).
     """
-    logs = tmp_path_factory.mktemp("workers")
-    conf = {"redsem_head_wait": 0.0, "redsem_worker_admission": False}
-    procs = [
-        WorkerProcess(redis_url, module_prefix, f"w{i}", 4, logs / f"w{i}.log", conf=conf)
-        for i in range(2)
-    ]
-    try:
-        for proc in procs:
-            proc.wait_ready()
+    with running_workers(
+        redis_url,
+        module_prefix,
+        tmp_path_factory.mktemp("workers"),
+        ["w0", "w1"],
+        4,
+        redsem_head_wait=0.0,
+        redsem_worker_admission=False,
+    ) as procs:
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
-        if os.environ.get("REDSEM_TEST_SHOW_WORKER_LOGS"):
-            for proc in procs:
-                print(proc.log())
 
 
 def _counter(app: Celery) -> redis.Redis:
