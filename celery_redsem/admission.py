@@ -9,8 +9,9 @@ the permit (one round trip, joining the FIFO line under the task id):
 * **Not granted**: the task is *parked* in the main process and its slot goes to the next task,
   so a contended task costs no slot time and no trip through the broker. Its place in line does
   not hold a free permit while it is parked (``back_in``), so nobody waits for it. It asks again
-  when its turn is expected (its position over the speed at which its line has been moving,
-  learnt from the tries of parked tasks), and then goes to the front of the slot queue.
+  when its turn is expected (:func:`park_time`: its position times the hold time learnt from
+  tasks that finished on this worker, over the limit), or at once when a task of the same
+  semaphore finishes here, and then goes to the front of the slot queue.
 
 A parked task stays reserved by the worker, unacknowledged: if the worker stops or loses its
 broker connection, the broker delivers the message again (a parked task from a lost connection
@@ -43,12 +44,14 @@ from .handoff import clear_grant, hand_over
 from .permits import Permit
 from .task_guard import (
     WAIT_HEADER,
+    TaskGuard,
     WaitState,
     _attempt,
     _read_wait_header,
     _server_ms,
     call_arguments,
     guards_of,
+    present_waiter_lease,
 )
 
 __all__ = ["PAUSE_AFTER_ERROR", "Admission", "install_admission", "park_time"]
@@ -109,10 +112,11 @@ class Admission:
         """Stands in for the worker's ``_process_task``: called with a slot taken for ``req``."""
         earlier = self.parked.pop(req.id, None)
         clear_grant(req.request_dict)
-        if not self._admits(req):
+        guard = self._guard_to_admit(req)
+        if guard is None:
             return self._dispatch(req)
         try:
-            granted = self._ask(req, earlier)
+            granted = self._ask(req, guard, earlier)
         except BackendError as exc:
             self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR
             logger.warning(
@@ -132,24 +136,29 @@ class Admission:
             self._watch(req, permit.name)
         return self._dispatch(req)
 
-    def _admits(self, req: Any) -> bool:
+    def _guard_to_admit(self, req: Any) -> TaskGuard | None:
+        """The one guard of ``req``'s task if admission decides for it, else None."""
         if self._usable is None:
             self._usable = _slot_semaphore(self.controller) is not None
             if not self._usable:
                 logger.debug("celery_redsem: this pool has no slot semaphore: no admission")
         if not self._usable or time.monotonic() < self._paused_until:
-            return False
+            return None
         task = getattr(req, "task", None)
-        return task is not None and len(guards_of(task)) == 1 and not req.revoked()
+        guards = guards_of(task) if task is not None else []
+        if len(guards) != 1 or req.revoked():
+            return None
+        return guards[0]
 
     # -- asking ---------------------------------------------------------------------------
 
-    def _ask(self, req: Any, earlier: _Parked | None) -> tuple[Permit, float] | None:
+    def _ask(
+        self, req: Any, guard: TaskGuard, earlier: _Parked | None
+    ) -> tuple[Permit, float] | None:
         """Ask for ``req``'s permit: the permit and the monotonic time it was asked for if
         granted; None if not (then ``req`` is parked, its slot given back) or if the child
         should decide."""
         task = req.task
-        (guard,) = guards_of(task)
         config = get_config(self.app)
         try:
             name = guard.name_for(task.name, call_arguments(task, req.args), req.kwargs or {})
@@ -158,7 +167,7 @@ class Admission:
         sem = guard.semaphore(self.app, name, config)
         if sem.min_replicas:
             return None
-        present = config.waiter_margin + config.retry_min_countdown
+        present = present_waiter_lease(config)
         asked = time.monotonic()
         result = _attempt(sem, req.id, waiter_lease=present)
         if isinstance(result, Permit):
@@ -221,7 +230,8 @@ class Admission:
 
     def _wake_one(self, name: str) -> None:
         """A permit of ``name`` was given back here: the first task parked on it asks again."""
-        waiting = [p for p in self.parked.values() if p.name == name]
+        # Not one already resumed (waiting for a slot): it asks again anyway.
+        waiting = [p for p in self.parked.values() if p.name == name and p.timer is not None]
         if waiting:
             first = min(waiting, key=lambda p: p.position)
             with suppress(Exception):
@@ -309,9 +319,3 @@ def install_admission(controller: Any, app: Celery) -> Admission | None:
     controller._redsem_admission = admission
     controller._process_task = admission.process_task
     return admission
-
-
-def parked_count(controller: Any) -> int:
-    """How many tasks the worker ``controller`` has parked (0 without admission)."""
-    admission = getattr(controller, "_redsem_admission", None)
-    return len(admission.parked) if isinstance(admission, Admission) else 0

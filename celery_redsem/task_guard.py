@@ -62,6 +62,7 @@ __all__ = [
     "call_arguments",
     "current_permit",
     "guards_of",
+    "present_waiter_lease",
 ]
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,9 @@ class TaskGuard:
                 idle_ttl=config.idle_ttl,
                 lost_lease_policy=self.lost_lease_policy or config.lost_lease_policy,
                 task_name=task_name,
-                confirmed_at=confirmed_at or _granted_no_earlier_than(sem, started),
+                confirmed_at=(
+                    _granted_no_earlier_than(sem, started) if confirmed_at is None else confirmed_at
+                ),
             )
             heartbeat.track(held)
             token = _current.set(held)
@@ -344,7 +347,7 @@ class TaskGuard:
         """Ask once; wait in the slot if the permit is near, else re-publish with a countdown."""
         task_id = cast(str, request.id)
         queue = _queue_of(task, request)
-        waiter_lease = config.waiter_margin + config.retry_min_countdown
+        waiter_lease = present_waiter_lease(config)
         result = _attempt(sem, task_id, waiter_lease=waiter_lease)
         now_ms = _server_ms(result, waiter_lease)
         if wait.due_ms and not wait.offline_ms:  # back from a contention retry: how late?
@@ -614,6 +617,12 @@ def _wait_in_slot(
         if isinstance(attempt, Permit):
             return attempt
         result = attempt
+
+
+def present_waiter_lease(config: RedsemConfig) -> float:
+    """The waiter lease of a task asking now: it keeps its place for the shortest countdown
+    plus the margin, enough to be re-published or parked before asking again with its own."""
+    return config.waiter_margin + config.retry_min_countdown
 
 
 def _attempt(
