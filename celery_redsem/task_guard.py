@@ -395,8 +395,7 @@ class TaskGuard:
             jitter=config.retry_jitter,
             floor=config.retry_min_countdown,
         )
-        if max_wait is not None:
-            countdown = max(config.retry_min_countdown, min(countdown, max_wait - waited))
+        countdown = _within_budget(countdown, config, max_wait, waited)
         # Keep the place until the task is back. The broker hands the retry back only after
         # the messages queued before it, so the task is back around its countdown plus the
         # delay learnt for this queue; until then its place does not hold a free permit (one
@@ -456,8 +455,7 @@ class TaskGuard:
             jitter=config.retry_jitter,
             floor=config.retry_min_countdown,
         )
-        if max_wait is not None:
-            countdown = max(config.retry_min_countdown, min(countdown, max_wait - waited))
+        countdown = _within_budget(countdown, config, max_wait, waited)
         logger.warning(
             "celery_redsem: %s[%s] could not reach Redis for a permit of %r, retrying in "
             "%.2fs (retry %d after Redis errors): %s",
@@ -617,6 +615,15 @@ def _wait_in_slot(
         if isinstance(attempt, Permit):
             return attempt
         result = attempt
+
+
+def _within_budget(
+    countdown: float, config: RedsemConfig, max_wait: float | None, waited: float
+) -> float:
+    """``countdown``, cut to what is left of ``max_wait`` (never below the minimum countdown)."""
+    if max_wait is None:
+        return countdown
+    return max(config.retry_min_countdown, min(countdown, max_wait - waited))
 
 
 def present_waiter_lease(config: RedsemConfig) -> float:
