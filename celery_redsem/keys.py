@@ -59,7 +59,7 @@ class SemaphoreKeys:
     @property
     def holders(self) -> str:
         """Hash: permit id -> ``<token>:<lease expiry ms>``, plus the semaphore's counters
-        ``:fence``, ``:limit``, ``:ticket``, ``:queued``, ``:next`` and ``:horizon``."""
+        ``:fence``, ``:limit``, ``:ticket``, ``:queued``, ``:next``, ``:horizon`` and ``:gate``."""
         return f"{self.base}:holders"
 
     @property

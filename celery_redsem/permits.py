@@ -9,7 +9,7 @@ from .keys import DEFAULT_PREFIX, SemaphoreKeys
 __all__ = ["HolderInfo", "Permit", "RefreshResult", "SemaphoreState", "WaiterInfo", "Waiting"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Permit:
     """One grant of a semaphore. Immutable: a refresh returns a new ``Permit``.
 

@@ -9,6 +9,7 @@ round trip with ``EVALSHA`` and falls back to ``SCRIPT LOAD`` when the server an
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -37,13 +38,21 @@ class LuaScript:
         self.source = _common() + "\n" + _read(filename)
         self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
 
-    def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
-        """Run the script on ``client`` (a redis-py client or pipeline) and return its reply."""
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run the script on ``client`` (a redis-py client or pipeline) and return its reply.
+
+        Sent with ``execute_command``, which ``evalsha()`` wraps in two more calls: acquire and
+        release run on every task start and end, and their client-side cost is measured.
+        """
         try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            client.script_load(self.source)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
+            return self.load_and_call(client, keys, args)
+
+    def load_and_call(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Load the script (the server answered ``NOSCRIPT``), then run it."""
+        client.script_load(self.source)
+        return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
     def __repr__(self) -> str:
         return f"<LuaScript {self.filename} {self.sha[:8]}>"

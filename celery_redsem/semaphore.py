@@ -10,7 +10,6 @@ Usable without Celery::
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from redis.exceptions import NoScriptError
 
 from .errors import AcquireTimeout, BackendError, ConfigurationError, NotEnoughReplicas, PermitLost
 from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from .permit_ids import new_permit_id
 from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
 from .replication import connected_replicas, forget_primary, run_acknowledged
 from .scripts import ACQUIRE, REFRESH, RELEASE, STATE, LuaScript
@@ -70,11 +70,6 @@ def _back_in(back_in: object, waiter_lease: float) -> float:
             "or the place in line lapses before the waiter is back"
         )
     return float(back_in)
-
-
-def _new_permit_id() -> str:
-    """A random 128-bit permit id (cheaper than uuid4, which matters on the acquire path)."""
-    return os.urandom(16).hex()
 
 
 def _validate_permit_id(permit_id: object) -> str:
@@ -155,6 +150,8 @@ class FairSemaphore:
         self._clock = clock
         # The scripts declare only the holders key; the other keys share its hash tag.
         self._keys = [self.keys.holders]
+        self._holders = self.keys.holders.encode()  # encoded once, not on every call
+        self._prefix = self.keys.prefix
         self._lease_ms = _ms(self.lease)
         self._idle_ms = _ms(self.idle_ttl)
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 0:
@@ -191,7 +188,7 @@ class FairSemaphore:
         goes to whoever is present, in line order. From then on, until it comes back or its
         waiter lease ends, its place does hold one. It must be shorter than the waiter lease.
         """
-        pid = _new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
+        pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
         if waiter_lease is not None or back_in:
             lease = self.waiter_lease if waiter_lease is None else waiter_lease
             settings = self._settings(
@@ -199,16 +196,38 @@ class FairSemaphore:
             )
         else:
             settings = self._settings_join if join_line else self._settings_try
-        args = [pid, settings]
         if self.min_replicas:
-            return self._attempt_acknowledged(pid, args)
-        return self._result(pid, _run(ACQUIRE, self.client, self._keys, args, self.name))
+            return self._attempt_acknowledged(pid, [pid, settings])
+        # Runs on every task start, so it calls redis-py directly (evalsha() adds two calls)
+        # and decodes the usual reply in place; _retry handles NOSCRIPT and errors.
+        try:
+            reply = self.client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", ACQUIRE.sha, 1, self._holders, pid, settings
+            )
+        except redis.RedisError as exc:
+            reply = self._retry(ACQUIRE, exc, pid, settings)
+        if type(reply) is bytes:
+            token, _, expires_at = reply.partition(b":")
+            return Permit(pid, self.name, int(token), int(expires_at), self.lease, self._prefix)
+        return self._result(pid, reply)
+
+    def _retry(self, script: LuaScript, exc: redis.RedisError, *args: Any) -> Any:
+        """After ``script`` failed with ``exc``: run it again once the server lost it
+        (``NOSCRIPT`` after a restart or ``SCRIPT FLUSH``), else raise BackendError."""
+        try:
+            if not isinstance(exc, NoScriptError):
+                raise exc
+            return script.load_and_call(self.client, self._keys, args)
+        except redis.RedisError as error:
+            raise BackendError(
+                f"Redis failed during {script.filename} for {self.name!r}: {error}", name=self.name
+            ) from error
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
-        """Decode acquire.lua: ``b"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""
+        """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""
         if isinstance(reply, bytes | str):  # str with decode_responses=True
             token, _, expires_at = _text(reply).partition(":")
-            return Permit(pid, self.name, int(token), int(expires_at), self.lease, self.keys.prefix)
+            return Permit(pid, self.name, int(token), int(expires_at), self.lease, self._prefix)
         position, expires_at = reply
         return Waiting(pid, self.name, int(position), int(expires_at))
 
@@ -274,7 +293,7 @@ class FairSemaphore:
             return result if isinstance(result, Permit) else None
         if timeout is not None:
             timeout = max(0.0, float(timeout))
-        pid = _new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
+        pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
         deadline = None if timeout is None else self._clock() + timeout
         poll_cap = self._poll_cap()
         while True:
@@ -327,17 +346,16 @@ class FairSemaphore:
         Returns True if a permit or a place in line was given up.
         """
         if isinstance(permit, Permit):
-            pid, token = permit.id, str(permit.token)
             self._check_same_semaphore(permit)
+            pid, token = permit.id, str(permit.token)
         else:
             pid, token = _validate_permit_id(permit), ""
-        reply = _run(
-            RELEASE,
-            self.client,
-            self._keys,
-            [pid, token],
-            self.name,
-        )
+        try:  # as in attempt(): redis-py called directly, on every task end
+            reply = self.client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", RELEASE.sha, 1, self._holders, pid, token
+            )
+        except redis.RedisError as exc:
+            reply = self._retry(RELEASE, exc, pid, token)
         return int(reply) > 0
 
     def refresh(self, permit: Permit) -> Permit:
@@ -353,7 +371,7 @@ class FairSemaphore:
         return result.refreshed[0]
 
     def _check_same_semaphore(self, permit: Permit) -> None:
-        if permit.name != self.name or permit.prefix != self.keys.prefix:
+        if permit.name != self.name or permit.prefix != self._prefix:
             raise ConfigurationError(
                 f"permit {permit.id!r} belongs to {permit.name!r}, not {self.name!r}",
                 name=self.name,

@@ -91,4 +91,6 @@ def test_scripts_match_the_model(redis_client, prefix, limit, ops):
         assert len(state.holders) <= limit
         counters = redis_client.hgetall(sem.keys.holders)
         assert int(counters[b":queued"]) == len(model.line)
-        assert len(counters) == 6 + len(model.holders)
+        assert len(counters) == 7 + len(model.holders)
+        gate = int(counters[b":gate"])  # the fast path is open only with nobody in line
+        assert gate == 0 or (not model.line and gate <= int(counters[b":horizon"]))

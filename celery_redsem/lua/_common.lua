@@ -4,13 +4,16 @@
 -- Scripts declare only the holders key (KEYS[1], which routes the call); the others are derived
 -- from it here, in the same slot. Fewer declared keys and arguments measurably shorten the
 -- acquire/release round trip, which runs on every task start and end.
---   holders  HASH  permit id -> '<fencing token>:<lease expiry ms>', and six counters:
+--   holders  HASH  permit id -> '<fencing token>:<lease expiry ms>', and seven counters:
 --                          ':fence'   last fencing token granted
 --                          ':limit'   limit the last caller asked for (for inspection and wake-ups)
 --                          ':ticket'  last ticket handed to a waiter
 --                          ':queued'  waiters in line (healed from the zset when in doubt)
 --                          ':next'    no holder's lease ends before this (ms); 0 = unknown
 --                          ':horizon' when the hash expires (ms)
+--                          ':gate'    acquire's fast path is open for leases ending by
+--                                     then (ms); 0 = closed: someone waits, or ':next' is
+--                                     unknown. Never later than ':horizon'.
 --   waiters  ZSET  permit id -> ticket (FIFO order)
 --   wexp     ZSET  permit id -> waiter lease expiry (ms)
 --   wdue     ZSET  permit id -> when the waiter said it would be back (ms). A place in line
@@ -24,7 +27,7 @@
 -- holders are swept only when the semaphore is full and ':next' says one may have expired,
 -- and the TTL is pushed only when ':horizon' comes within half an idle TTL.
 
-local COUNTERS = 6
+local COUNTERS = 7
 
 -- Server time as (milliseconds, microseconds).
 local function server_now()

@@ -17,40 +17,53 @@
 -- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
 local holders = KEYS[1]
 local id = ARGV[1]
-local limit, lease, waiter_lease, idle_ttl, join, back_in =
-  string.match(ARGV[2], '^(%d+):(%d+):(%d+):(%d+):(%d):(%d+)$')
-limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
-local half_idle = math.floor(idle_ttl / 2)
-
+local limit, lease = string.match(ARGV[2], '^(%d+):(%d+):')
 local now, now_us = server_now()
-local mine, fence, queued, next_expiry, horizon, ticket, stored_limit = unpack(redis.call(
-  'HMGET', holders, id, ':fence', ':queued', ':next', ':horizon', ':ticket', ':limit'))
-local fresh = not fence
-fence, queued = tonumber(fence or 0), tonumber(queued or 0)
-next_expiry, horizon, ticket = tonumber(next_expiry or 0), tonumber(horizon or 0), tonumber(ticket or 0)
-local seen_queued, seen_next, seen_ticket = queued, next_expiry, ticket
 local expires = now + lease
+local mine, fence, gate, next_expiry, stored_limit = unpack(redis.call(
+  'HMGET', holders, id, ':fence', ':gate', ':next', ':limit'))
 
 -- The fast path, taken on most task starts: a new caller, a permit free, nobody in line, and
--- no counter but the fence to change. It comes before the closures below are created: each
--- captures a dozen locals, which costs the server more than the rest of this path.
-if not mine and not fresh and queued == 0 and next_expiry ~= 0 and next_expiry <= expires
-    and horizon >= expires + half_idle and tonumber(stored_limit) == limit then
-  if redis.call('HLEN', holders) - COUNTERS < limit then
+-- no counter but the fence to change (':gate' says so). Every step here is paid on each task
+-- start, so it reads only what it decides on, compares the limit as the server stored it
+-- (integers are rendered exactly) and converts only what it computes with; the rest of the
+-- settings are parsed, and the closures below created, only past it.
+if not mine and stored_limit == limit and tonumber(gate or 0) >= expires then
+  next_expiry = tonumber(next_expiry or 0)
+  if next_expiry <= expires and redis.call('HLEN', holders) - COUNTERS < tonumber(limit) then
     fence = math.max(fence + 1, now_us)
-    local entry = fmt(fence) .. ':' .. expires
+    local entry = string.format('%d:%d', fence, expires)
     redis.call('HSET', holders, ':fence', fence, id, entry)
     return entry
   end
 end
 
+local waiter_lease, idle_ttl, join, back_in =
+  string.match(ARGV[2], '^%d+:%d+:(%d+):(%d+):(%d):(%d+)$')
+limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
+local half_idle = math.floor(idle_ttl / 2)
+local queued, horizon, ticket = unpack(redis.call('HMGET', holders, ':queued', ':horizon', ':ticket'))
+local fresh = not fence
+fence, queued, gate = tonumber(fence or 0), tonumber(queued or 0), tonumber(gate or 0)
+next_expiry, horizon, ticket = tonumber(next_expiry or 0), tonumber(horizon or 0), tonumber(ticket or 0)
+local seen_queued, seen_next, seen_ticket = queued, next_expiry, ticket
+
+-- ':gate' for a hash that expires at `new_horizon`: the fast path is open for leases ending
+-- by then less half an idle TTL, unless someone waits or no holder's expiry is known.
+local function gate_for(new_horizon)
+  if queued == 0 and next_expiry ~= 0 then
+    return new_horizon - half_idle
+  end
+  return 0
+end
+
 -- Did anything but the fence change since the HMGET (or does the TTL need a push)?
 local function changed(new_horizon)
   return new_horizon ~= horizon or tonumber(stored_limit) ~= limit or queued ~= seen_queued
-    or next_expiry ~= seen_next or ticket ~= seen_ticket
+    or next_expiry ~= seen_next or ticket ~= seen_ticket or gate_for(new_horizon) ~= gate
 end
 
--- Write the counters (all six when any but the fence changed or the hash is new), push the
+-- Write the counters (all seven when any but the fence changed or the hash is new), push the
 -- TTL when it comes within half an idle TTL of `keep_until`. Numbers go to the server as they
 -- are: it renders integers exactly, and formatting in Lua is costly for a script this short.
 local function save(field, value, keep_until)
@@ -60,7 +73,8 @@ local function save(field, value, keep_until)
   end
   if changed(new_horizon) then
     redis.call('HSET', holders, ':fence', fence, ':limit', limit, ':ticket', ticket,
-      ':queued', queued, ':next', next_expiry, ':horizon', new_horizon, field, value)
+      ':queued', queued, ':next', next_expiry, ':horizon', new_horizon,
+      ':gate', gate_for(new_horizon), field, value)
   else
     redis.call('HSET', holders, ':fence', fence, field, value)
   end
@@ -77,7 +91,7 @@ if mine then
     if expires < next_expiry then -- a shorter lease than before: keep ':next' a lower bound
       next_expiry = expires
     end
-    local entry = fmt(token) .. ':' .. expires
+    local entry = string.format('%d:%d', token, expires)
     save(id, entry, expires)
     return entry
   end
@@ -143,7 +157,7 @@ if held + ahead < limit then
   if next_expiry == 0 or expires < next_expiry then
     next_expiry = expires
   end
-  local entry = fmt(fence) .. ':' .. expires
+  local entry = string.format('%d:%d', fence, expires)
   save(id, entry, expires)
   return entry
 end

@@ -36,7 +36,7 @@ if result > 0 then
   local now = server_now()
   local held, earliest = h.sweep_holders(holders, now)
   local left = h.sweep_waiters(waiters, wexp, wdue, now)
-  redis.call('HSET', holders, ':queued', left, ':next', earliest)
+  redis.call('HSET', holders, ':queued', left, ':next', earliest, ':gate', 0) -- acquire reopens it
   h.wake(holders, waiters, wexp, wdue, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
 end
 return result
