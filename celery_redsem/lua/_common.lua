@@ -1,4 +1,5 @@
--- Shared helpers: prepended to every script by scripts.py, never run alone.
+-- Shared helpers: put into every script by scripts.py (at its '-- @common' line, else on top),
+-- never run alone.
 --
 -- Keys of one semaphore. All share the hash tag {name}, so they live in one cluster slot.
 -- Scripts declare only the holders key (KEYS[1], which routes the call); the others are derived
@@ -26,8 +27,6 @@
 -- The hot paths run on every task start and end, so they are kept to a few calls: expired
 -- holders are swept only when the semaphore is full and ':next' says one may have expired,
 -- and the TTL is pushed only when ':horizon' comes within half an idle TTL.
-
-local COUNTERS = 7
 
 -- Server time as (milliseconds, microseconds).
 local function server_now()

@@ -15,10 +15,12 @@
 --
 -- Idempotent per permit id: a holder gets its permit back, a waiter keeps its ticket.
 -- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
+local COUNTERS = 7 -- counter fields in the holders hash (see _common.lua)
 local holders = KEYS[1]
 local id = ARGV[1]
 local limit, lease = string.match(ARGV[2], '^(%d+):(%d+):')
-local now, now_us = server_now()
+local time = redis.call('TIME') -- as server_now() does; the helpers come after the fast path
+local now, now_us = time[1] * 1000 + math.floor(time[2] / 1000), time[1] * 1000000 + time[2]
 local expires = now + lease
 local mine, fence, gate, next_expiry, stored_limit = unpack(redis.call(
   'HMGET', holders, id, ':fence', ':gate', ':next', ':limit'))
@@ -27,7 +29,7 @@ local mine, fence, gate, next_expiry, stored_limit = unpack(redis.call(
 -- no counter but the fence to change (':gate' says so). Every step here is paid on each task
 -- start, so it reads only what it decides on, compares the limit as the server stored it
 -- (integers are rendered exactly) and converts only what it computes with; the rest of the
--- settings are parsed, and the closures below created, only past it.
+-- settings are parsed, and the shared helpers (_common.lua) and closures created, only past it.
 if not mine and stored_limit == limit and tonumber(gate or 0) >= expires then
   next_expiry = tonumber(next_expiry or 0)
   if next_expiry <= expires and redis.call('HLEN', holders) - COUNTERS < tonumber(limit) then
@@ -38,6 +40,7 @@ if not mine and stored_limit == limit and tonumber(gate or 0) >= expires then
   end
 end
 
+-- @common
 local waiter_lease, idle_ttl, join, back_in =
   string.match(ARGV[2], '^%d+:%d+:(%d+):(%d+):(%d):(%d+)$')
 limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)

@@ -23,6 +23,7 @@ if queued == 0 or (mine and result == 0) then
   return result
 end
 
+-- @common
 -- Someone waits: leave the line if this id was in it, then wake whoever a permit is free for.
 local h = helpers()
 local waiters, wexp, wdue = h.sibling_keys(holders)
