@@ -50,6 +50,7 @@ class LuaScript:
         self.filename = filename
         self.source = with_common(_read(filename))
         self.sha = hashlib.sha1(self.source.encode("utf-8"), usedforsecurity=False).hexdigest()
+        self.sha_bytes = self.sha.encode()  # sent as is; redis-py would encode a str each call
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run the script on ``client`` (a redis-py client or pipeline) and return its reply.

@@ -33,6 +33,7 @@ DEFAULT_LEASE = 10.0
 DEFAULT_IDLE_TTL = 60.0
 DEFAULT_REPLICA_TIMEOUT = 0.5
 MAX_PERMIT_ID_LENGTH = 256
+ONE_KEY = b"1"  # EVALSHA's numkeys, encoded once
 
 
 def _ms(seconds: float) -> int:
@@ -202,7 +203,7 @@ class FairSemaphore:
         # and decodes the usual reply in place; _retry handles NOSCRIPT and errors.
         try:
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", ACQUIRE.sha, 1, self._holders, pid, settings
+                "EVALSHA", ACQUIRE.sha_bytes, ONE_KEY, self._holders, pid, settings
             )
         except redis.RedisError as exc:
             reply = self._retry(ACQUIRE, exc, pid, settings)
@@ -352,7 +353,7 @@ class FairSemaphore:
             pid, token = _validate_permit_id(permit), ""
         try:  # as in attempt(): redis-py called directly, on every task end
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", RELEASE.sha, 1, self._holders, pid, token
+                "EVALSHA", RELEASE.sha_bytes, ONE_KEY, self._holders, pid, token
             )
         except redis.RedisError as exc:
             reply = self._retry(RELEASE, exc, pid, token)

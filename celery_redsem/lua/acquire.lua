@@ -20,7 +20,8 @@ local holders = KEYS[1]
 local id = ARGV[1]
 local limit, lease = string.match(ARGV[2], '^(%d+):(%d+):')
 local time = redis.call('TIME') -- as server_now() does; the helpers come after the fast path
-local now, now_us = time[1] * 1000 + math.floor(time[2] / 1000), time[1] * 1000000 + time[2]
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = math.floor(now_us / 1000)
 local expires = now + lease
 local mine, fence, gate, next_expiry, stored_limit = unpack(redis.call(
   'HMGET', holders, id, ':fence', ':gate', ':next', ':limit'))
