@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .keys import DEFAULT_PREFIX, SemaphoreKeys
 
 __all__ = ["HolderInfo", "Permit", "RefreshResult", "SemaphoreState", "WaiterInfo", "Waiting"]
 
 
-@dataclass(frozen=True, slots=True)
-class Permit:
+class Permit(NamedTuple):
     """One grant of a semaphore. Immutable: a refresh returns a new ``Permit``.
 
     ``token`` is the fencing token: it strictly increases with every grant of the same
     semaphore name, so a storage system can reject writes from an older holder.
     ``expires_at`` is the lease expiry on the Redis server's clock, in milliseconds since the epoch.
+    (A named tuple, not a dataclass: one is made on every task start, and a tuple is made for
+    a third of the cost.)
     """
 
     id: str
