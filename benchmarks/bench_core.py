@@ -15,11 +15,10 @@ What is measured
 
 The implementations take turns in batches of 10 pairs, in a new random order every turn, so
 background load (this may be a shared machine) and whatever ran just before hit them all
-alike. A round lasts ``--slice``
-seconds per implementation; an implementation's rate in a round is its pairs over the time
-spent in its own batches. ``pairs/s`` is the median over rounds; ``x floor`` and
-``x redis Lock`` are medians of the per-round ratios. Targets: FairSemaphore >= 0.85 x floor,
-and > 1.0 x redis Lock.
+alike. A round lasts ``--slice`` seconds per implementation; an implementation's rate in a
+round is its pairs over the time spent in its own batches. ``pairs/s`` is the median over
+rounds; ``x floor`` and ``x redis Lock`` are medians of the per-round ratios. Targets:
+FairSemaphore >= 0.85 x floor, and > 1.0 x redis Lock.
 
 **Contention** (8 processes, limit 3, half of them with ``time.time`` running 20 ms ahead):
 each process loops acquire, hold ~1 ms, release, for a fixed time. Right after an acquire it

@@ -87,13 +87,15 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _failed(script: LuaScript, name: str, exc: redis.RedisError) -> BackendError:
+    return BackendError(f"Redis failed during {script.filename} for {name!r}: {exc}", name=name)
+
+
 def _run(script: LuaScript, client: Any, keys: list[str], args: list[Any], name: str) -> Any:
     try:
         return script(client, keys, args)
     except redis.RedisError as exc:
-        raise BackendError(
-            f"Redis failed during {script.filename} for {name!r}: {exc}", name=name
-        ) from exc
+        raise _failed(script, name, exc) from exc
 
 
 class FairSemaphore:
@@ -199,17 +201,14 @@ class FairSemaphore:
             settings = self._settings_join if join_line else self._settings_try
         if self.min_replicas:
             return self._attempt_acknowledged(pid, [pid, settings])
-        # Runs on every task start, so it calls redis-py directly (evalsha() adds two calls)
-        # and decodes the usual reply in place; _retry handles NOSCRIPT and errors.
+        # Runs on every task start, so it calls redis-py directly (evalsha() adds two calls);
+        # _retry handles NOSCRIPT and errors.
         try:
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
                 "EVALSHA", ACQUIRE.sha_bytes, ONE_KEY, self._holders, pid, settings
             )
         except redis.RedisError as exc:
             reply = self._retry(ACQUIRE, exc, pid, settings)
-        if type(reply) is bytes:
-            token, _, expires_at = reply.partition(b":")
-            return Permit(pid, self.name, int(token), int(expires_at), self.lease, self._prefix)
         return self._result(pid, reply)
 
     def _retry(self, script: LuaScript, exc: redis.RedisError, *args: Any) -> Any:
@@ -220,14 +219,14 @@ class FairSemaphore:
                 raise exc
             return script.load_and_call(self.client, self._keys, args)
         except redis.RedisError as error:
-            raise BackendError(
-                f"Redis failed during {script.filename} for {self.name!r}: {error}", name=self.name
-            ) from error
+            raise _failed(script, self.name, error) from error
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
         """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""
-        if isinstance(reply, bytes | str):  # str with decode_responses=True
-            token, _, expires_at = _text(reply).partition(":")
+        if type(reply) is str:  # decode_responses=True
+            reply = reply.encode()
+        if type(reply) is bytes:
+            token, _, expires_at = reply.partition(b":")
             return Permit(pid, self.name, int(token), int(expires_at), self.lease, self._prefix)
         position, expires_at = reply
         return Waiting(pid, self.name, int(position), int(expires_at))
@@ -548,7 +547,5 @@ def _run_pipelined(
             client.script_load(script.source)
             pending = missing
     except redis.RedisError as exc:
-        raise BackendError(
-            f"Redis failed during {script.filename} for {name!r}: {exc}", name=name
-        ) from exc
+        raise _failed(script, name, exc) from exc
     return replies
