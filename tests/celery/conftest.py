@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -223,3 +223,19 @@ def running_workers(
         if os.environ.get("REDSEM_TEST_SHOW_WORKER_LOGS"):
             for proc in procs:
                 print(proc.log())
+
+
+def true_in_forked_child(check: Callable[[], bool]) -> bool:
+    """Run ``check`` in a forked child of this process and return what it found."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, b"1" if check() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    return answer == b"1"

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from celery import Celery, _state, current_app
 from celery.local import Proxy
 
 from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config
 from celery_redsem.config import SETTINGS
+from tests.celery.conftest import true_in_forked_child
 
 
 def _app(**conf: object) -> Celery:
@@ -96,20 +95,12 @@ def test_a_forked_child_builds_its_own_client(redis_url: str) -> None:
     app = _app(redsem_redis_url=redis_url)
     parent_client = get_client(app)
     assert parent_client.ping()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: report whether it got a different, working client
-        try:
-            child_client = get_client(app)
-            ok = child_client is not parent_client and child_client.ping()
-            os.write(write, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    answer = os.read(read, 1)
-    os.close(read)
-    os.waitpid(pid, 0)
-    assert answer == b"1"
+
+    def child_has_its_own_working_client() -> bool:
+        child_client = get_client(app)
+        return child_client is not parent_client and bool(child_client.ping())
+
+    assert true_in_forked_child(child_has_its_own_working_client)
     assert get_client(app) is parent_client
     assert parent_client.ping()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ import redis
 
 from celery_redsem import FairSemaphore, PermitLost
 from celery_redsem.heartbeat import Heartbeat, HeldPermit, LeaseInterrupt, get_heartbeat
+from tests.celery.conftest import true_in_forked_child
 from tests.servers import embedded_valkey, wait_until
 
 
@@ -125,18 +125,12 @@ def test_a_forked_child_starts_without_heartbeat_or_permits(
     sem, held = _held(redis_client, prefix, lease=30)
     parent = get_heartbeat()
     parent.track(held)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            child = get_heartbeat()
-            os.write(write, b"1" if child is not parent and child.held() == [] else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    answer = os.read(read, 1)
-    os.close(read)
-    os.waitpid(pid, 0)
+
+    def child_starts_afresh() -> bool:
+        child = get_heartbeat()
+        return child is not parent and child.held() == []
+
+    fresh = true_in_forked_child(child_starts_afresh)
     parent.untrack(held)
     sem.release(held.permit)
-    assert answer == b"1"
+    assert fresh
