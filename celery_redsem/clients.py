@@ -22,6 +22,8 @@ with ``sentinel_kwargs``. Options that apply only to Sentinel (Celery's transpor
 - ``min_other_sentinels``: how many other Sentinels a Sentinel must see to be trusted.
 
 ``ssl=True`` (plus ``ssl_ca_certs`` ...) makes the connections to the primary use TLS.
+``ssl_cert_reqs`` takes Celery's spelling too (``CERT_REQUIRED``, ``CERT_OPTIONAL``,
+``CERT_NONE``), so a result-backend URL written for Celery works here unchanged.
 Every other option is passed to redis-py unchanged (e.g. ``socket_timeout``). Passwords never
 appear in an error message: :func:`redact_url` replaces them with ``***``.
 """
@@ -46,6 +48,8 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 _SECRET_QUERY = re.compile(r"(?i)([?&]\w*password=)[^&#;]*")
+# Celery's documentation writes ``?ssl_cert_reqs=CERT_REQUIRED``; redis-py takes ``required``.
+_CELERY_CERT_REQS = re.compile(r"(?i)([?&]ssl_cert_reqs=)CERT_(REQUIRED|OPTIONAL|NONE)(?=[&#;]|$)")
 
 
 def redact_url(url: str) -> str:
@@ -99,6 +103,7 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
     if not isinstance(url, str) or not url:
         raise ConfigurationError(f"Redis URL must be a non-empty str, got {url!r}")
     scheme = url.split("://", 1)[0].lower()
+    url = _CELERY_CERT_REQS.sub(lambda m: m.group(1) + m.group(2).lower(), url)
     misplaced = [name for name in SENTINEL_OPTIONS if name in options]
     if scheme != "sentinel" and misplaced:
         raise ConfigurationError(

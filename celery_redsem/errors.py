@@ -16,6 +16,8 @@ limit was involved.
 
 from __future__ import annotations
 
+import redis.exceptions as redis_errors
+
 __all__ = [
     "AcquireTimeout",
     "BackendError",
@@ -24,6 +26,7 @@ __all__ = [
     "NotEnoughReplicas",
     "PermitLost",
     "RedsemError",
+    "is_transient",
 ]
 
 
@@ -47,6 +50,11 @@ class KeyFunctionError(ConfigurationError):
 class BackendError(RedsemError):
     """Redis raised an error or could not be reached; the original is the ``__cause__``."""
 
+    @property
+    def transient(self) -> bool:
+        """True if the same call can succeed later (see :func:`is_transient`)."""
+        return self.__cause__ is None or is_transient(self.__cause__)
+
 
 class NotEnoughReplicas(BackendError):
     """A grant needed ``min_replicas`` acknowledgements but the primary has fewer replicas.
@@ -56,6 +64,11 @@ class NotEnoughReplicas(BackendError):
     failover) rather than of the call: under Celery the task is retried, not dropped.
     """
 
+    @property
+    def transient(self) -> bool:
+        """Always True: replicas come back."""
+        return True
+
 
 class AcquireTimeout(RedsemError):
     """No permit was granted within the allowed time."""
@@ -63,3 +76,36 @@ class AcquireTimeout(RedsemError):
 
 class PermitLost(RedsemError):
     """A permit's lease ended (or it was force-released) while its holder still ran."""
+
+
+#: Error replies (without an exception class of their own in redis-py) of a server busy
+#: running a script, or without the replicas ``min-replicas-to-write`` asks for.
+_TRANSIENT_REPLIES = ("BUSY ", "NOREPLICAS ")
+#: Refusals that arrive as connection errors but no retry can fix.
+_REFUSALS = (redis_errors.AuthenticationError, redis_errors.AuthorizationError)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a Redis error is an outage that can pass, worth retrying the call later.
+
+    True for an unreachable or timed-out server, a cluster or Sentinel failover, a server that
+    is loading, busy or out of memory. False for what no retry fixes: a wrong password, a
+    missing ACL permission, a bad client option (such as a TLS setting), a script error.
+    """
+    if isinstance(error, _REFUSALS):
+        return False
+    if isinstance(
+        error,
+        redis_errors.ConnectionError
+        | redis_errors.TimeoutError
+        | redis_errors.ClusterError
+        | redis_errors.RedisClusterException
+        | redis_errors.TryAgainError
+        | redis_errors.AskError
+        | redis_errors.ReadOnlyError
+        | redis_errors.OutOfMemoryError,
+    ):
+        return True
+    if isinstance(error, redis_errors.ResponseError):
+        return str(error).startswith(_TRANSIENT_REPLIES)
+    return False

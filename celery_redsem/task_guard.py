@@ -11,9 +11,12 @@ and timing travel in the message header ``redsem_wait`` (:class:`WaitState`). A 
 exceeds ``max_wait`` leaves the line and fails with :class:`~celery_redsem.AcquireTimeout`.
 
 When Redis cannot be reached while a task asks for its permit (a restart, a failover, a
-network fault: any :class:`~celery_redsem.BackendError`), the task is retried the same way,
-with an exponential backoff, counted apart in the header; the time so spent counts toward
-``max_wait``, after which the task fails with the ``BackendError``. It is never dropped.
+network fault, a server busy or out of memory: a :class:`~celery_redsem.BackendError` that is
+:attr:`~celery_redsem.BackendError.transient`), the task is retried the same way, with an
+exponential backoff, counted apart in the header; the time so spent counts toward
+``max_wait``, after which the task fails with the ``BackendError``. A refusal no retry can fix
+(a wrong password, a missing ACL permission, a bad TLS option, a script error) fails the task
+at once with the ``BackendError``. Either way it is never dropped.
 
 Eager calls (``task_always_eager``, ``apply()``) and direct calls block for a permit for at most
 ``redsem_eager_timeout`` seconds instead: countdowns mean nothing there.
@@ -427,13 +430,22 @@ class TaskGuard:
         error: BackendError,
         started: float,
     ) -> NoReturn:
-        """Redis could not be reached (or refused): retry through Celery with a backoff.
+        """Redis could not be reached: retry through Celery with a backoff (or fail at once
+        if the error is not transient).
 
         Like a contention retry it spares ``max_retries``; its own count travels in the header.
         The time spent so (countdowns plus the failed tries) counts toward ``max_wait``, and
         once that is spent the task fails with the :class:`BackendError`.
         """
         task_id = cast(str, request.id)
+        if not error.transient:
+            raise BackendError(
+                f"task {task.name}[{task_id}] could not get a permit of {name!r} "
+                f"(limit {self.limit}): Redis refused in a way no retry can fix "
+                f"({type(error.__cause__).__name__}): {error}",
+                name=name,
+                permit_id=task_id,
+            ) from error
         offline_ms = wait.offline_ms + round((time.monotonic() - started) * 1000)
         # Without a server clock: the wait known at the last answer, plus the time offline.
         known = max(0, wait.due_ms - wait.first_ms) if wait.first_ms else 0

@@ -14,6 +14,7 @@ from redis.retry import Retry
 
 from celery_redsem import (
     AcquireTimeout,
+    BackendError,
     ConfigurationError,
     FairSemaphore,
     Lock,
@@ -22,7 +23,7 @@ from celery_redsem import (
     refresh_permits,
 )
 from celery_redsem.keys import SemaphoreKeys
-from tests.servers import ENV_URL, wait_until
+from tests.servers import ENV_URL, ServerProcess, wait_until
 
 
 def make(client: redis.Redis, prefix: str, limit: int = 2, **kwargs: float) -> FairSemaphore:
@@ -374,6 +375,24 @@ def test_unreachable_redis_is_a_backend_error():
         sem.acquire()
     assert type(info.value).__name__ == "BackendError"
     assert isinstance(info.value.__cause__, redis.ConnectionError)
+    assert info.value.transient  # a retry can succeed once the server is up
+
+
+def test_a_refusal_is_a_backend_error_no_retry_can_fix(tmp_path):
+    server = ServerProcess(["--requirepass", "right"], tmp_path, ping_kwargs={"password": "right"})
+    server.start()
+    try:
+        wrong = FairSemaphore(server.client(password="wrong"), "sem", 2)
+        with pytest.raises(BackendError, match="invalid username-password") as info:
+            wrong.acquire()
+        assert not info.value.transient
+        client = server.client(password="right")
+        client.config_set("maxmemory", "1")  # every write is refused: out of memory
+        with pytest.raises(BackendError, match="maxmemory") as full:
+            FairSemaphore(client, "sem", 2).acquire()
+        assert full.value.transient  # memory can free up
+    finally:
+        server.kill()
 
 
 def test_a_client_with_decoded_responses_works_the_same(redis_url, prefix):

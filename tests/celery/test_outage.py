@@ -113,3 +113,29 @@ def test_a_cluster_unreachable_at_first_use_is_retried_not_failed(
             assert retries[budget.id] >= 2
     finally:
         close_app(app)
+
+
+def test_a_refusal_no_retry_can_fix_fails_the_task_at_once(
+    redis_url: str, module_prefix: str, tmp_path: Path, retries: Counter[str], key: str
+) -> None:
+    # A wrong password is no outage: retrying for max_wait (an hour by default) would only
+    # hide it. The task fails at once, saying why.
+    server = ServerProcess(["--requirepass", "right"], tmp_path, ping_kwargs={"password": "right"})
+    server.start()
+    app = make_app(
+        redis_url,
+        f"{module_prefix}:refused",
+        redsem_redis_url=server.url.replace("redis://", "redis://:wrong@"),
+    )
+    try:
+        with start_worker(
+            app, pool="threads", concurrency=1, perform_ping_check=False, shutdown_timeout=30
+        ):
+            result = app.tasks["t.locked"].delay(key)
+            with pytest.raises(BackendError, match=r"no retry can fix \(AuthenticationError\)"):
+                result.get(timeout=15)
+            assert retries[result.id] == 0
+            assert result.state == "FAILURE"
+    finally:
+        close_app(app)
+        server.kill()

@@ -185,6 +185,20 @@ def tls_server() -> Iterator[object]:
         pytest.skip(f"redis-server cannot serve TLS here: {str(exc).splitlines()[0]}")
 
 
+@pytest.mark.parametrize(
+    ("query", "cert_reqs"),
+    [
+        ("ssl_cert_reqs=CERT_REQUIRED", "required"),  # Celery's spelling
+        ("ssl_cert_reqs=CERT_NONE&ssl_ca_certs=/ca", "none"),
+        ("ssl_ca_certs=/ca&ssl_cert_reqs=optional", "optional"),  # redis-py's
+    ],
+)
+def test_ssl_cert_reqs_in_celery_or_redis_py_spelling(query, cert_reqs):
+    client = client_from_url(f"rediss://h:6380/0?{query}")  # builds, does not connect
+    assert client.connection_pool.connection_kwargs["ssl_cert_reqs"] == cert_reqs
+    client.close()
+
+
 def test_rediss_url_with_an_acl_user_over_tls(tls_server, prefix):
     server = tls_server.server  # type: ignore[attr-defined]
     admin = redis.Redis(
@@ -198,10 +212,12 @@ def test_rediss_url_with_an_acl_user_over_tls(tls_server, prefix):
     url = (
         f"rediss://redsem-tls:{PASSWORD}@127.0.0.1:{server.port}/0"
         f"?ssl_ca_certs={tls_server.ca_file}"  # type: ignore[attr-defined]
+        "&ssl_cert_reqs=CERT_REQUIRED"  # as Celery's docs write it
     )
     client = client_from_url(url, socket_timeout=5)
     try:
         assert isinstance(client.connection_pool.connection_class(), redis.SSLConnection)
+        assert client.connection_pool.connection_kwargs["ssl_cert_reqs"] == "required"
         _exercise_everything(client, prefix)
     finally:
         client.close()
