@@ -21,7 +21,11 @@ import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
+from celery import Task
+from celery.local import Proxy
+
 from . import worker as _worker  # noqa: F401  (connects the worker's signal handlers)
+from .errors import ConfigurationError
 from .task_guard import _GUARD_ATTR, KeyFunction, TaskGuard, current_permit
 
 __all__ = ["current_permit", "with_lock", "with_semaphore"]
@@ -53,6 +57,7 @@ def with_semaphore(
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        _refuse_a_task(fn)
         guard = TaskGuard(
             fn,
             limit=limit,
@@ -71,6 +76,21 @@ def with_semaphore(
         return guarded
 
     return decorate
+
+
+def _refuse_a_task(fn: object) -> None:
+    """Raise if ``fn`` is already a Celery task: the guard must wrap the function under it.
+
+    Above ``@app.task`` the guard would wrap only the module attribute, and the registered task
+    (which beat, ``send_task`` and canvas call by name) would run with no limit at all.
+    """
+    # type(), not isinstance(): a Proxy's __class__ would evaluate (finalize) the task.
+    if issubclass(type(fn), Task | Proxy):
+        raise ConfigurationError(
+            "@with_semaphore / @with_lock is above @app.task here: the registered task would "
+            "run without it. Put it under @app.task, next to the "
+            "function:\n    @app.task\n    @with_lock(...)\n    def my_task(...): ..."
+        )
 
 
 def with_lock(

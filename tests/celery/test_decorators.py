@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from celery_redsem import ConfigurationError, KeyFunctionError, with_lock, with_semaphore
 from celery_redsem.task_guard import guards_of
@@ -41,6 +42,22 @@ def test_a_wrong_key_fails_at_decoration(key: object, fragment: str) -> None:
 def test_wrong_options_fail_at_decoration(option: str, value: object) -> None:
     with pytest.raises(ConfigurationError, match=option):
         with_lock("k", **{option: value})(buy_item)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("finalized", [False, True])
+def test_a_guard_above_app_task_fails_at_decoration(finalized: bool) -> None:
+    # Above @app.task it would guard only the module attribute, never the registered task.
+    # app.task gives a pending Proxy before the app is finalized, a Task after.
+    app = Celery(set_as_current=False)
+    if finalized:
+        app.finalize()
+    with pytest.raises(ConfigurationError, match=r"above @app\.task"):
+
+        @with_lock(key="k")
+        @app.task(shared=False)
+        def build(report_id: int) -> None: ...
+
+    assert app.finalized is finalized  # a pending task (a Proxy) was not evaluated to check
 
 
 def test_wrapper_keeps_the_function_identity_and_carries_its_guard() -> None:
