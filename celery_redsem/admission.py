@@ -13,9 +13,12 @@ the permit (one round trip, joining the FIFO line under the task id):
   tasks that finished on this worker, over the limit), or at once when a task of the same
   semaphore finishes here, and then goes to the front of the slot queue.
 
-A parked task stays reserved by the worker, unacknowledged: if the worker stops or loses its
-broker connection, the broker delivers the message again (a parked task from a lost connection
-is dropped, never run twice). Its total wait counts toward ``redsem_max_wait``; once that is
+A parked task widens the prefetch window by one, as an ETA task does, so the worker keeps
+fetching tasks it can run; at most a window's worth (concurrency x prefetch multiplier) do, so
+the worker reserves at most twice its window however long the line. A parked task stays
+reserved by the worker, unacknowledged: if the worker stops or loses its broker connection,
+the broker delivers the message again (a parked task from a lost connection is dropped, never
+run twice). Its total wait counts toward ``redsem_max_wait``; once that is
 spent it goes to a child, which fails it with :class:`~celery_redsem.AcquireTimeout`.
 
 Anything unusual hands the task to the child unchanged, which then waits or retries as
@@ -91,7 +94,7 @@ class _Parked:
     tries: int
     connection: Any  # the consumer's broker connection when it was parked
     timer: Any = None
-    qos: Any = None  # the consumer's prefetch window it was counted in
+    qos: Any = None  # the consumer's prefetch window it widened, if it did
 
 
 class Admission:
@@ -197,6 +200,19 @@ class Admission:
         self._park(_Parked(req, name, again.position, first_ms, tries, None), park)
         return None
 
+    def _may_widen_window(self) -> bool:
+        """Whether parking one more task may widen the prefetch window (by one, as an ETA task
+        does, so that the worker keeps fetching tasks it can run).
+
+        At most a window's worth of parked tasks widen it; past that, a parked task keeps the
+        window place its message came in, so one busy key cannot make the worker reserve the
+        whole queue behind it: the rest waits in the broker, for any worker to take.
+        """
+        window = getattr(self.controller.consumer, "max_prefetch_count", 0)
+        if not isinstance(window, int) or window <= 0:  # prefetch unlimited: nothing to widen
+            return False
+        return sum(1 for p in self.parked.values() if p.qos is not None) < window
+
     # -- finished tasks wake parked ones -------------------------------------------------
 
     def _watch(self, req: Any, name: str) -> None:
@@ -244,9 +260,10 @@ class Admission:
         controller = self.controller
         consumer = controller.consumer
         parked.connection = getattr(consumer, "connection", None)
+        if self._may_widen_window():
+            parked.qos = consumer.qos
+            parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
         self.parked[parked.req.id] = parked
-        parked.qos = consumer.qos
-        parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
         parked.timer = controller.timer.call_after(seconds, self._resume, (parked.req,), priority=6)
         semaphore = _slot_semaphore(controller)
         assert semaphore is not None
@@ -263,9 +280,10 @@ class Admission:
             return
         parked.timer = None  # resumed once: a later timer or wake-up does nothing
         consumer = self.controller.consumer
-        # Give back the prefetch it took from the window it was counted in (after a
-        # reconnection the consumer has a new one, which never counted it).
-        parked.qos.decrement_eventually()
+        # Give back the prefetch it took from the window it was counted in, if it took one
+        # (after a reconnection the consumer has a new window, which never counted it).
+        if parked.qos is not None:
+            parked.qos.decrement_eventually()
         if getattr(consumer, "connection", None) is not parked.connection:
             self.parked.pop(req.id, None)  # its message will be delivered again
             return

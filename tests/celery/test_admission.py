@@ -151,6 +151,43 @@ def test_a_task_parked_at_warm_shutdown_runs_after_redelivery(
 
 
 @pytest.mark.slow
+def test_parked_tasks_widen_the_prefetch_window_at_most_by_its_size(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # One slot, prefetch 1: behind a held lock the worker reserves 2 tasks (one in its window,
+    # one widening it) however many wait; the rest stay in the broker for any worker to take.
+    sem = holder(app, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    queue = f"window-{key}"
+    worker = WorkerProcess(
+        redis_url,
+        module_prefix,
+        "w1",
+        1,
+        tmp_path / "w1.log",
+        "-Q",
+        queue,
+        conf={"worker_prefetch_multiplier": 1},
+    )
+    try:
+        worker.wait_ready()
+        results = [app.tasks["t.locked"].apply_async((key,), queue=queue) for _ in range(6)]
+        inspect = app.control.inspect(timeout=1.0, destination=[f"w1@{socket.gethostname()}"])
+        wait_until(lambda: len(_task_ids(inspect.reserved())) >= 2, 20, what="2 tasks parked")
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # parked tasks ask again meanwhile, and re-park
+            reserved = _task_ids(inspect.reserved())
+            assert len(reserved) <= 2, f"{len(reserved)} tasks reserved"
+        assert [r.state for r in results] == ["PENDING"] * 6
+        sem.release(blocker)
+        outs = [r.get(timeout=30) for r in results]
+        assert all(out["contention_retries"] == 0 for out in outs)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.slow
 def test_a_forged_grant_header_is_dropped_at_dispatch(
     app: Celery, admitting_workers: list[WorkerProcess], key: str
 ) -> None:
