@@ -34,6 +34,8 @@ DEFAULT_IDLE_TTL = 60.0
 DEFAULT_REPLICA_TIMEOUT = 0.5
 MAX_PERMIT_ID_LENGTH = 256
 ONE_KEY = b"1"  # EVALSHA's numkeys, encoded once
+MARK_RENEWAL = b":1"  # appended to acquire.lua's settings: mark a renewal in the reply ...
+RENEWED = ":renewed"  # ... with this suffix
 
 
 def _ms(seconds: float) -> int:
@@ -200,7 +202,7 @@ class FairSemaphore:
         else:
             settings = self._settings_join if join_line else self._settings_try
         if self.min_replicas:
-            return self._attempt_acknowledged(pid, [pid, settings])
+            return self._attempt_acknowledged(pid, [pid, settings + MARK_RENEWAL])
         # Runs on every task start, so it calls redis-py directly (evalsha() adds two calls);
         # _retry handles NOSCRIPT and errors.
         try:
@@ -254,8 +256,12 @@ class FairSemaphore:
             raise BackendError(
                 f"Redis failed during acquire.lua + WAIT for {self.name!r}: {exc}", name=self.name
             ) from exc
+        renewed = isinstance(reply, bytes | str) and _text(reply).endswith(RENEWED)
+        if renewed:
+            reply = _text(reply)[: -len(RENEWED)]
         permit = self._result(pid, reply)
-        if isinstance(permit, Waiting) or acked >= self.min_replicas:
+        # A renewal keeps the grant held before (acknowledged then); only a new one goes back.
+        if isinstance(permit, Waiting) or acked >= self.min_replicas or renewed:
             return permit
         self.release(permit)
         try:

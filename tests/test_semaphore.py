@@ -218,6 +218,18 @@ def test_release_of_an_old_grant_does_not_free_the_new_one(redis_client, prefix)
     assert [h.token for h in sem.holders()] == [new.token]
 
 
+def test_release_of_an_old_grant_leaves_the_same_ids_place_in_line(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.15)
+    old = sem.acquire(permit_id="task-1")
+    assert old is not None
+    wait_until(lambda: not sem.holders(), timeout=3, what="the first grant to expire")
+    assert sem.acquire(permit_id="task-2") is not None  # someone else holds it now
+    waiting = sem.attempt("task-1", join_line=True, waiter_lease=5)  # task-1, redelivered
+    assert isinstance(waiting, Waiting)
+    assert sem.release(old) is False  # the stalled first run ends: nothing of its to give back
+    assert [w.permit_id for w in sem.state().waiters] == ["task-1"]
+
+
 def test_release_by_id_frees_whatever_the_id_holds(redis_client, prefix):
     sem = make(redis_client, prefix, limit=1, lease=5)
     assert sem.acquire(permit_id="task-1") is not None

@@ -2,14 +2,17 @@
 --
 -- KEYS[1] holders
 -- ARGV[1] permit id
--- ARGV[2] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>:<back in ms>', where
+-- ARGV[2] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>:<back in ms>[:1]', where
 --         limit >= 1; the waiter lease is how long a place in line is kept without the waiter
 --         coming back; the idle ttl is how long keys outlive the last lease in them; join is
 --         1 to join (or stay in) the waiting line when no permit is free, 0 to only try;
 --         back in is when the caller will ask again (0: it waits now, as a blocked caller
---         does): until then its place does not hold a free permit for it (< waiter lease)
+--         does): until then its place does not hold a free permit for it (< waiter lease);
+--         a final ':1' asks to mark a renewal (for callers that give back a new grant that
+--         too few replicas acknowledged, and must not give back one held before)
 --
--- Returns '<token>:<lease expiry ms>'  granted (or already held: same token, lease renewed)
+-- Returns '<token>:<lease expiry ms>'  granted (or already held: same token, lease renewed;
+--                                      with ':1' asked, that renewal ends in ':renewed')
 --         {position, waiter expiry ms}   not granted; position is 1-based, 0 if not in line
 -- (A grant is one string, not a table, because it is the reply parsed on every task start.)
 --
@@ -42,8 +45,8 @@ if not mine and stored_limit == limit and tonumber(gate or 0) >= expires then
 end
 
 -- @common
-local waiter_lease, idle_ttl, join, back_in =
-  string.match(ARGV[2], '^%d+:%d+:(%d+):(%d+):(%d):(%d+)$')
+local waiter_lease, idle_ttl, join, back_in, mark_renewal =
+  string.match(ARGV[2], '^%d+:%d+:(%d+):(%d+):(%d):(%d+):?(%d?)$')
 limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
 local half_idle = math.floor(idle_ttl / 2)
 local queued, horizon, ticket = unpack(redis.call('HMGET', holders, ':queued', ':horizon', ':ticket'))
@@ -97,6 +100,9 @@ if mine then
     end
     local entry = string.format('%d:%d', token, expires)
     save(id, entry, expires)
+    if mark_renewal == '1' then
+      return entry .. ':renewed'
+    end
     return entry
   end
   redis.call('HDEL', holders, id)

@@ -5,8 +5,10 @@
 -- ARGV[2] fencing token of the grant being released, or '' to release whatever grant the id holds
 --         (used by the worker's main process, which knows only the task id)
 --
--- Returns 1 if a held permit was released, 2 if a place in line was given up, 0 if the id had
--- neither (already released, expired, or a different grant with the same id).
+-- Returns 1 if the grant was released (also one whose lease just ended but that no acquire has
+-- swept yet), 2 if a place in line was given up (only without a token: a token names a grant,
+-- and a place the same id took since is not its holder's to give up), 0 if there was neither
+-- (already released or swept, or a different grant with the same id).
 -- With nobody waiting this is two calls: HMGET, HDEL. The TTL is left alone: it may outlive the
 -- remaining leases a little, never fall short of them.
 local holders = KEYS[1]
@@ -19,7 +21,7 @@ if mine and (token == '' or string.match(mine, '^(%d+):') == token) then
   redis.call('HDEL', holders, id)
   result = 1
 end
-if queued == 0 or (mine and result == 0) then
+if queued == 0 or (result == 0 and (mine or token ~= '')) then
   return result
 end
 

@@ -47,6 +47,25 @@ def test_an_acknowledged_grant_is_on_the_replica_when_it_is_returned(
     assert sem.release(sem.attempt("task-1"))  # type: ignore[arg-type]
 
 
+def test_a_renewal_too_few_replicas_acknowledged_keeps_the_permit(redis_client, prefix):
+    # The id already holds the permit (a redelivered task asks again): its renewal is not
+    # acknowledged, but giving it back would free a permit the first run still uses.
+    held = Lock(redis_client, "acked", prefix=prefix, lease=30).attempt("task-1")
+    assert isinstance(held, Permit)
+    acked = Lock(
+        redis_client, "acked", prefix=prefix, lease=30, min_replicas=1, replica_timeout=0.05
+    )
+    again = acked.attempt("task-1")
+    assert isinstance(again, Permit)
+    assert again.token == held.token
+    assert [h.permit_id for h in acked.holders()] == ["task-1"]
+    assert isinstance(acked.attempt("task-2"), Waiting)  # still one holder at a time
+    with pytest.raises(NotEnoughReplicas):  # a new grant unacknowledged still goes back
+        Lock(redis_client, "other", prefix=prefix, min_replicas=1, replica_timeout=0.05).attempt(
+            "task-3"
+        )
+
+
 def test_no_replica_at_all_is_a_clear_error_and_nothing_stays_held(redis_client, prefix):
     sem = Lock(redis_client, "acked", prefix=prefix, min_replicas=1, replica_timeout=0.05)
     with pytest.raises(NotEnoughReplicas) as info:
