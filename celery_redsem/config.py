@@ -311,9 +311,10 @@ def _warn_if_refresh_can_stall(config: RedsemConfig) -> None:
     timeout = config.redis_options.get("socket_timeout")
     if isinstance(timeout, int | float) and timeout > config.lease / 3:
         logger.warning(
-            "celery_redsem: socket_timeout=%ss in redsem_redis_options is longer than a "
-            "heartbeat interval (redsem_lease=%ss / 3): one hung refresh can hold up the others "
-            "for longer than that; use a socket_timeout of at most lease/3",
+            "celery_redsem: the Redis client's socket_timeout (%ss: redsem_redis_options, or "
+            "its default) is longer than a heartbeat interval (redsem_lease=%ss / 3): one hung "
+            "refresh can hold up the others for longer than that; set a socket_timeout of at "
+            "most lease/3 in redsem_redis_options",
             timeout,
             config.lease,
         )

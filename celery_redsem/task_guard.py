@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, NoReturn, cast
 
 import redis
 from celery import Celery, Task
+from celery import _state as celery_state
 from celery._state import get_current_app, get_current_task
 from celery.app.task import Context
 from celery.exceptions import Retry
@@ -239,7 +240,7 @@ class TaskGuard:
         """Call the function under a permit (see the module docstring)."""
         task = cast("Task[Any, Any] | None", get_current_task())
         ours = task is not None and self in guards_of(task)
-        app = task.app if task is not None else get_current_app()
+        app = task.app if task is not None else self._app_of_direct_call()
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
         name = self.name_for(task_name, args, kwargs)
@@ -293,6 +294,14 @@ class TaskGuard:
             if held is not None:
                 heartbeat.untrack(held)  # stop refreshing before releasing
             _release(sem, permit)
+
+    def _app_of_direct_call(self) -> Celery:
+        """The app of the task this guard is on, for a ``task.run(...)`` call (no task on the
+        stack): a finalized app that registered it, else the current app."""
+        for app in list(celery_state._get_active_apps()):  # type: ignore[attr-defined]
+            if app.finalized and any(self in guards_of(t) for t in list(app.tasks.values())):
+                return cast(Celery, app)
+        return get_current_app()
 
     def _run_body(self, held: HeldPermit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

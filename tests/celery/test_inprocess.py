@@ -216,6 +216,8 @@ def test_eager_mode_blocks_for_a_bounded_time(redis_url: str, module_prefix: str
     assert eager.tasks["t.locked"].delay(key).get()["name"] == f"locked:{key}"
     assert eager.tasks["t.locked"].apply(args=(key,)).get()["contention_retries"] == 0
     assert eager.tasks["t.locked"](key)["name"] == f"locked:{key}"  # a direct call
+    # ... and .run() (no task on the stack) on this app, which is not the current one.
+    assert eager.tasks["t.locked"].run(key)["name"] == f"locked:{key}"
     assert sem.state().holders == []
     eager.close()
 
