@@ -110,13 +110,18 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
             f"option(s) {', '.join(misplaced)} only apply to sentinel:// URLs, "
             f"not {redact_url(url)!r}"
         )
+    if "://" not in url:
+        raise ConfigurationError(
+            f"Redis URL {redact_url(url)!r} has no scheme; write it as redis://host:port/db "
+            "(or rediss://, unix://, redis+cluster://, rediss+cluster://, sentinel://)"
+        )
     try:
         if scheme in _PLAIN_SCHEMES:
-            return redis.Redis.from_url(url, **options)
+            return _checked(redis.Redis.from_url(url, **options))
         if scheme in CLUSTER_SCHEMES:
             return _cluster_client(url, **options)
         if scheme == "sentinel":
-            return _sentinel_client(url, **options)
+            return _checked(_sentinel_client(url, **options))
     except RedisClusterException as exc:
         reason = scrub(str(exc), url)
         raise BackendError(f"cannot reach the cluster at {redact_url(url)!r}: {reason}") from exc
@@ -133,6 +138,17 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
         f"unsupported Redis URL scheme {scheme!r} in {redact_url(url)!r}; use redis://, "
         "rediss://, unix://, redis+cluster://, rediss+cluster:// or sentinel://"
     )
+
+
+def _checked(client: redis.Redis) -> redis.Redis:
+    """``client``, once one connection object is made from its options (no I/O): redis-py
+    checks them only then, which would otherwise be at the first command, in a task."""
+    pool = client.connection_pool
+    try:
+        pool.connection_class(**pool.connection_kwargs)
+    except redis.RedisError as exc:  # e.g. an unknown ssl_cert_reqs value
+        raise ValueError(str(exc)) from exc
+    return client
 
 
 def _split_hosts(netloc_hosts: str, default_port: int, url: str) -> list[tuple[str, int]]:

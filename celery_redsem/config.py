@@ -12,6 +12,7 @@ app its own Redis client, rebuilt in a forked child instead of reusing the paren
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -302,8 +303,24 @@ def get_config(app: Celery) -> RedsemConfig:
         if config is None:
             config = RedsemConfig.from_conf(app.conf)
             _configs[app] = config
+            _warn_about_unknown_settings(app.conf)
             _warn_if_refresh_can_stall(config)
         return config
+
+
+def _warn_about_unknown_settings(conf: Mapping[str, Any]) -> None:
+    """Log a warning for each ``redsem_*`` key that is no setting: a typo would be ignored."""
+    for key in map(str, list(conf.keys())):
+        name = key.lower().removeprefix("celery_")
+        if name.startswith("redsem_") and name not in _DEFAULTS:
+            close = difflib.get_close_matches(name, _DEFAULTS, n=1)
+            if close and key.isupper():  # as Django writes it
+                close[0] = key[: len(key) - len(name)] + close[0].upper()
+            logger.warning(
+                "celery_redsem: %s is not a celery_redsem setting and is ignored%s",
+                key,
+                f"; did you mean {close[0]}?" if close else "",
+            )
 
 
 def _warn_if_refresh_can_stall(config: RedsemConfig) -> None:
@@ -335,11 +352,12 @@ def get_client(app: Celery) -> RedisClient:
     url = config.require_redis_url()
     try:
         client = client_from_url(url, **config.redis_options)
-    except ConfigurationError:
-        raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # ConfigurationError included: say where it came from
         where = f"{redact_url(url)!r} (from {config.redis_url_source})"
-        raise ConfigurationError(f"cannot build a Redis client for {where}: {exc}") from exc
+        raise ConfigurationError(
+            f"cannot build a Redis client for {where} with redsem_redis_options "
+            f"{sorted(config.redis_options)}: {exc}"
+        ) from exc
     with _lock:
         cached = _clients.get(app)
         if cached is not None and cached[0] == pid:

@@ -15,8 +15,8 @@ network fault, a server busy or out of memory: a :class:`~celery_redsem.BackendE
 :attr:`~celery_redsem.BackendError.transient`), the task is retried the same way, with an
 exponential backoff, counted apart in the header; the time so spent counts toward
 ``max_wait``, after which the task fails with the ``BackendError``. A refusal no retry can fix
-(a wrong password, a missing ACL permission, a bad TLS option, a script error) fails the task
-at once with the ``BackendError``. Either way it is never dropped.
+(a wrong password, a missing ACL permission, a script error) fails the task at once with the
+``BackendError``. Either way it is never dropped.
 
 Eager calls (``task_always_eager``, ``apply()``) and direct calls block for a permit for at most
 ``redsem_eager_timeout`` seconds instead: countdowns mean nothing there.

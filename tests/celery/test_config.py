@@ -61,6 +61,32 @@ def test_no_redis_anywhere_is_a_clear_error_at_first_use() -> None:
 
 
 @pytest.mark.parametrize(
+    ("conf", "fragments"),
+    [
+        (  # redis-py would reject it only at the first command, in a task
+            {"redsem_redis_options": {"socket_timout": 1.0}},
+            ["redsem_redis_options", "unexpected keyword argument 'socket_timout'"],
+        ),
+        (
+            {"redsem_redis_url": "rediss://h:1/0?ssl_cert_reqs=always"},
+            ["(from redsem_redis_url)", "Invalid SSL Certificate Requirements Flag"],
+        ),
+        (
+            {"redsem_redis_url": "localhost:6379"},
+            ["(from redsem_redis_url)", "has no scheme; write it as redis://host:port/db"],
+        ),
+    ],
+)
+def test_a_client_option_or_url_redis_py_rejects_fails_before_any_task(
+    conf: dict[str, object], fragments: list[str]
+) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        get_client(_app(broker_url="memory://", **{"redsem_redis_url": "redis://h:1/0", **conf}))
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
     ("name", "value", "fragment"),
     [
         ("redsem_lease", "ten", "number of seconds > 0"),
@@ -129,3 +155,25 @@ def test_a_socket_timeout_longer_than_a_heartbeat_interval_is_warned_about(
     caplog.set_level("WARNING", logger="celery_redsem.config")
     get_config(app)
     assert any("heartbeat interval" in r.getMessage() for r in caplog.records) == warns
+
+
+def test_a_misspelled_setting_is_warned_about_with_the_likely_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class DjangoSettings:
+        CELERY_BROKER_URL = "redis://h/0"
+        CELERY_REDSEM_LEESE = 5
+
+    app = Celery("redsem-typo", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    app.conf.redsem_idle_tt = 3
+    app.conf.redsem_lease = 30.0  # a real one: no warning
+    caplog.set_level("WARNING", logger="celery_redsem.config")
+    get_config(app)
+    warnings = sorted(r.getMessage() for r in caplog.records if "is not a" in r.getMessage())
+    assert warnings == [
+        "celery_redsem: CELERY_REDSEM_LEESE is not a celery_redsem setting and is ignored; "
+        "did you mean CELERY_REDSEM_LEASE?",
+        "celery_redsem: redsem_idle_tt is not a celery_redsem setting and is ignored; "
+        "did you mean redsem_idle_ttl?",
+    ]
