@@ -43,7 +43,7 @@ from celery.worker.request import Request
 
 from .admission import install_admission
 from .config import get_client, get_config
-from .errors import RedsemError
+from .errors import RedsemError, is_transient
 from .semaphore import RedisClient
 from .task_guard import call_arguments, guards_of, iter_guarded_tasks
 
@@ -134,18 +134,26 @@ _EVICTING = ("allkeys-", "volatile-")
 
 
 def check_eviction_policy(client: RedisClient) -> str | None:
-    """A warning if the server's ``maxmemory-policy`` could evict semaphore keys, else None.
+    """A warning if the server's ``maxmemory-policy`` could evict semaphore keys, or if it
+    cannot be asked (not reachable, or refusing); None if all is well.
 
     Semaphore keys carry TTLs, so ``volatile-*`` policies can evict them as well as
     ``allkeys-*``. Read from ``INFO memory`` (which the documented ACL rule allows, unlike
-    ``CONFIG GET``); on a cluster every node is checked. A server that does not tell gives None
-    (logged at debug).
+    ``CONFIG GET``); on a cluster every node is checked.
     """
     try:
         reply = client.info("memory")
     except redis.RedisError as exc:
-        logger.debug("celery_redsem: cannot read maxmemory-policy: %s", exc)
-        return None
+        if is_transient(exc):
+            return (
+                f"celery_redsem: cannot reach the semaphores' Redis at worker start ({exc}); "
+                "guarded tasks are retried until it answers (for up to redsem_max_wait)"
+            )
+        return (
+            f"celery_redsem: the semaphores' Redis refused INFO at worker start ({exc}): "
+            "its maxmemory-policy was not checked; if it refuses the scripts too, guarded "
+            "tasks fail saying why"
+        )
     per_node = reply.values() if "maxmemory_policy" not in reply else [reply]
     policies = {str(node.get("maxmemory_policy")) for node in per_node if isinstance(node, dict)}
     evicting = sorted(p for p in policies if p.startswith(_EVICTING))

@@ -33,6 +33,8 @@ def test_a_server_without_config_is_still_checked() -> None:
         client.close()
 
 
-def test_a_server_that_does_not_answer_is_tolerated() -> None:
+def test_a_server_that_does_not_answer_is_reported_not_fatal() -> None:
     client = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=None)
-    assert check_eviction_policy(client) is None
+    warning = check_eviction_policy(client) or ""
+    assert "cannot reach the semaphores' Redis at worker start" in warning
+    assert "Connection refused" in warning
