@@ -103,8 +103,8 @@ class Admission:
     def __init__(self, controller: Any, app: Celery) -> None:
         self.controller = controller
         self.app = app
-        #: Parked requests by task id.
-        self.parked: dict[str, _Parked] = {}
+        #: Parked requests, by request: two deliveries of one task id are parked apart.
+        self.parked: dict[Any, _Parked] = {}
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
         self._usable: bool | None = None
         self._paused_until = 0.0
@@ -113,7 +113,7 @@ class Admission:
 
     def process_task(self, req: Any) -> Any:
         """Stands in for the worker's ``_process_task``: called with a slot taken for ``req``."""
-        earlier = self.parked.pop(req.id, None)
+        earlier = self.parked.pop(req, None)
         clear_grant(req.request_dict)
         guard = self._guard_to_admit(req)
         if guard is None:
@@ -131,7 +131,7 @@ class Admission:
         except Exception:  # never lose a task to a bug here: the child decides
             logger.exception("celery_redsem: admission failed for %s[%s]", req.name, req.id)
             granted = None
-        if req.id in self.parked:
+        if req in self.parked:
             return None
         if granted is not None:
             permit, granted_at = granted
@@ -263,7 +263,7 @@ class Admission:
         if self._may_widen_window():
             parked.qos = consumer.qos
             parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
-        self.parked[parked.req.id] = parked
+        self.parked[parked.req] = parked
         parked.timer = controller.timer.call_after(seconds, self._resume, (parked.req,), priority=6)
         semaphore = _slot_semaphore(controller)
         assert semaphore is not None
@@ -275,7 +275,7 @@ class Admission:
 
     def _resume(self, req: Any) -> None:
         """``req`` asks again, first in the slot queue."""
-        parked = self.parked.get(req.id)
+        parked = self.parked.get(req)
         if parked is None or parked.timer is None:
             return
         parked.timer = None  # resumed once: a later timer or wake-up does nothing
@@ -285,7 +285,7 @@ class Admission:
         if parked.qos is not None:
             parked.qos.decrement_eventually()
         if getattr(consumer, "connection", None) is not parked.connection:
-            self.parked.pop(req.id, None)  # its message will be delivered again
+            self.parked.pop(req, None)  # its message will be delivered again
             return
         semaphore = _slot_semaphore(self.controller)
         assert semaphore is not None

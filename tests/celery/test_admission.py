@@ -6,6 +6,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -150,41 +151,83 @@ def test_a_task_parked_at_warm_shutdown_runs_after_redelivery(
         second.stop()
 
 
-@pytest.mark.slow
-def test_parked_tasks_widen_the_prefetch_window_at_most_by_its_size(
-    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
-) -> None:
-    # One slot, prefetch 1: behind a held lock the worker reserves 2 tasks (one in its window,
-    # one widening it) however many wait; the rest stay in the broker for any worker to take.
-    sem = holder(app, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
-    queue = f"window-{key}"
+class OneSlot(NamedTuple):
+    """A prefork worker with one slot and a prefetch window of 1, on a queue of its own."""
+
+    queue: str
+    node: str
+
+
+@pytest.fixture(scope="module")
+def one_slot(
+    redis_url: str, module_prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OneSlot]:
+    logs = tmp_path_factory.mktemp("one-slot")
     worker = WorkerProcess(
         redis_url,
         module_prefix,
-        "w1",
+        "slot1",
         1,
-        tmp_path / "w1.log",
+        logs / "slot1.log",
         "-Q",
-        queue,
+        "one-slot",
         conf={"worker_prefetch_multiplier": 1},
     )
     try:
         worker.wait_ready()
-        results = [app.tasks["t.locked"].apply_async((key,), queue=queue) for _ in range(6)]
-        inspect = app.control.inspect(timeout=1.0, destination=[f"w1@{socket.gethostname()}"])
-        wait_until(lambda: len(_task_ids(inspect.reserved())) >= 2, 20, what="2 tasks parked")
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:  # parked tasks ask again meanwhile, and re-park
-            reserved = _task_ids(inspect.reserved())
-            assert len(reserved) <= 2, f"{len(reserved)} tasks reserved"
-        assert [r.state for r in results] == ["PENDING"] * 6
-        sem.release(blocker)
-        outs = [r.get(timeout=30) for r in results]
-        assert all(out["contention_retries"] == 0 for out in outs)
+        yield OneSlot("one-slot", f"slot1@{socket.gethostname()}")
     finally:
         worker.stop()
+
+
+@pytest.mark.slow
+def test_parked_tasks_widen_the_prefetch_window_at_most_by_its_size(
+    app: Celery, one_slot: OneSlot, key: str
+) -> None:
+    # Behind a held lock the worker reserves 2 tasks (one in its window of 1, one widening
+    # it) however many wait; the rest stay in the broker for any worker to take.
+    sem = holder(app, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    results = [app.tasks["t.locked"].apply_async((key,), queue=one_slot.queue) for _ in range(6)]
+    inspect = app.control.inspect(timeout=1.0, destination=[one_slot.node])
+    wait_until(lambda: len(_task_ids(inspect.reserved())) >= 2, 20, what="2 tasks parked")
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # parked tasks ask again meanwhile, and re-park
+        reserved = _task_ids(inspect.reserved())
+        assert len(reserved) <= 2, f"{len(reserved)} tasks reserved"
+    assert [r.state for r in results] == ["PENDING"] * 6
+    sem.release(blocker)
+    outs = [r.get(timeout=30) for r in results]
+    assert all(out["contention_retries"] == 0 for out in outs)
+
+
+@pytest.mark.slow
+def test_two_deliveries_of_one_task_id_parked_together_both_run(
+    app: Celery, one_slot: OneSlot, key: str
+) -> None:
+    # A dedupe id chosen by the caller, or a redelivery: both copies are parked on one worker.
+    sem = holder(app, f"locked:{key}")
+    blocker = sem.acquire()
+    assert blocker is not None
+    task_id = f"same-{key}"
+    for _ in range(2):
+        app.tasks["t.locked"].apply_async((key,), queue=one_slot.queue, task_id=task_id)
+    inspect = app.control.inspect(timeout=1.0, destination=[one_slot.node])
+    wait_until(
+        lambda: (
+            sum(t["id"] == task_id for ts in (inspect.reserved() or {}).values() for t in ts) == 2
+        ),
+        20,
+        what="both copies parked",
+    )
+    sem.release(blocker)
+    runs = f"{app.conf.redsem_key_prefix}:t:log:{key}"
+    wait_until(lambda: _counter(app).llen(runs) == 4, 20, what="both copies to run")
+    assert (
+        sorted(_counter(app).lrange(runs, 0, -1))
+        == [f"end {task_id}".encode()] * 2 + [f"start {task_id}".encode()] * 2
+    )
 
 
 @pytest.mark.slow
