@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -196,8 +197,9 @@ class Heartbeat:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        #: When the thread will next look (clock time); in the past while it is awake.
-        self._wake_at = 0.0
+        #: When the thread will next look (clock time); infinity while it is awake, so that a
+        #: permit tracked while it works (perhaps after it last looked) always wakes it.
+        self._wake_at = math.inf
 
     def track(self, held: HeldPermit) -> HeldPermit:
         """Start refreshing ``held`` (and start the thread if needed)."""
@@ -302,6 +304,7 @@ def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:
         heartbeat = ref()
         if heartbeat is None or heartbeat._stopping:
             return
+        heartbeat._wake_at = math.inf  # before looking: a track() from now on wakes it again
         wake.clear()
         try:
             wait = heartbeat.beat()

@@ -63,6 +63,44 @@ def test_a_permit_taken_away_is_reported_lost(
     assert held not in heartbeat.held()
 
 
+class _PausedWhenIdle(Heartbeat):
+    """A heartbeat whose thread stops, once, just after a look that found nothing to refresh:
+    where a thread switch can come between that look and the thread going to sleep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+
+    def beat(self) -> float:
+        wait = super().beat()
+        if not self.held() and not self.paused.is_set():
+            self.paused.set()
+            self.resume.wait(5)
+        return wait
+
+
+def test_a_permit_tracked_while_the_thread_looks_is_refreshed_in_time(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    heartbeat = _PausedWhenIdle()
+    try:
+        _, first = _held(redis_client, f"{prefix}:1", lease=30)
+        heartbeat.track(first)  # starts the thread
+        heartbeat.untrack(first)  # its next look finds nothing: it would sleep 30 s
+        assert heartbeat.paused.wait(5)
+        sem, held = _held(redis_client, f"{prefix}:2", lease=0.3)
+        granted_until = held.expires_at
+        heartbeat.track(held)  # a task starts while the thread is between looking and sleeping
+        heartbeat.resume.set()
+        wait_until(lambda: held.expires_at > granted_until, 2, what="a refresh")
+        assert not held.lost
+        assert [h.permit_id for h in sem.state().holders] == [held.id]
+    finally:
+        heartbeat.resume.set()
+        heartbeat.stop()
+
+
 def test_a_refresh_in_flight_after_untrack_is_not_a_loss(
     redis_client: redis.Redis, prefix: str, heartbeat: Heartbeat
 ) -> None:
