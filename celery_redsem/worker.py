@@ -36,6 +36,8 @@ import billiard.einfo
 import redis
 from billiard.einfo import ExceptionInfo
 from celery import Celery, Task
+from celery.concurrency import get_implementation
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery.signals import task_revoked, worker_init
 from celery.utils.imports import symbol_by_name
@@ -84,12 +86,16 @@ class ReleasingRequest(Request):
         if task is not None:
             release_task(task, self.id, self.args, self.kwargs)
 
-    def _redsem_kill_child(self) -> None:
-        """SIGKILL the child running this task: the pool is about to; its permit is freed next."""
+    def _redsem_kill_child(self) -> bool:
+        """SIGKILL the child process running this task (the pool is about to): True if there
+        was one, and its permit is to be freed next. Other pools run the task in this process
+        (``worker_pid`` is a greenlet's or thread's id there), where its ``finally`` releases."""
         pid = self.worker_pid
-        if pid and int(pid) != os.getpid():
-            with suppress(ProcessLookupError, PermissionError):
-                os.kill(int(pid), signal.SIGKILL)
+        if not _pool_has_child_processes or not pid or int(pid) == os.getpid():
+            return False
+        with suppress(ProcessLookupError, PermissionError, OverflowError):
+            os.kill(int(pid), signal.SIGKILL)
+        return True
 
     def on_failure(
         self, exc_info: ExceptionInfo, send_failed_event: bool = True, return_ok: bool = False
@@ -98,23 +104,38 @@ class ReleasingRequest(Request):
         if isinstance(exc, _WITH_TRACEBACK):
             exc = exc.exc
         if isinstance(exc, TimeLimitExceeded):  # hard limit: the child is still alive
-            self._redsem_kill_child()
-            self._redsem_release()
+            if self._redsem_kill_child():
+                self._redsem_release()
         elif isinstance(exc, _CHILD_GONE):
             self._redsem_release()  # before super(): it may requeue the message
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        if not soft:
-            self._redsem_kill_child()
+        if not soft and self._redsem_kill_child():
             self._redsem_release()
         super().on_timeout(soft, timeout)
 
     def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
         super().cancel(pool, signal, emit_retry)
-        if self.time_start:  # cold shutdown: the worker may exit before the child is reaped
-            self._redsem_kill_child()
+        # Cold shutdown: the worker may exit before the child is reaped.
+        if self.time_start and self._redsem_kill_child():
             self._redsem_release()
+
+
+#: Whether this worker's pool runs tasks in child processes (set at ``worker_init``).
+_pool_has_child_processes = True
+
+
+def has_child_processes(pool_cls: Any) -> bool:
+    """Whether a worker pool (a ``-P`` name such as ``"prefork"``, or a class) runs tasks in
+    child processes, which the main process can kill. Unknown: True, as the default pool."""
+    if pool_cls is None:
+        return True
+    try:
+        cls = get_implementation(pool_cls)
+    except Exception:  # a pool that cannot be imported here: assume the default
+        return True
+    return isinstance(cls, type) and issubclass(cls, PreforkPool)
 
 
 def install_request_class(task: Task[Any, Any]) -> type[Request]:
@@ -174,6 +195,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     guarded = [task for task, _guards in iter_guarded_tasks(app)]
     if not guarded:
         return
+    global _pool_has_child_processes  # noqa: PLW0603
+    _pool_has_child_processes = has_child_processes(getattr(sender, "pool_cls", None))
     for task in guarded:
         install_request_class(task)
     try:

@@ -14,6 +14,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
 from celery_redsem import PermitLost
+from celery_redsem.worker import has_child_processes
 from tests.celery.conftest import WorkerProcess, holder, running_workers
 from tests.servers import wait_until
 
@@ -190,3 +191,12 @@ def test_cold_shutdown_frees_the_permit_from_the_main_process(
         wait_until(lambda: sem.state().holders == [], 5, what="permit freed")  # lease is 10 s
     finally:
         cold.stop()
+
+
+@pytest.mark.parametrize(
+    ("pool", "kills"),
+    [("prefork", True), (None, True), ("threads", False), ("solo", False), ("gevent", False)],
+)
+def test_only_a_pool_of_child_processes_has_a_child_to_kill(pool: str | None, kills: bool) -> None:
+    # Elsewhere worker_pid is a greenlet's or thread's id: never a process to SIGKILL.
+    assert has_child_processes(pool) is kills
