@@ -46,13 +46,17 @@ def take_over(request: Any, name: str, prefix: str, lease: float) -> tuple[Permi
     """The permit handed over for this run of ``request`` on semaphore ``name``, with the
     monotonic time it was granted; None if there is none (or it is not for this semaphore).
 
-    The field is removed, so nothing built from the request later can carry it.
+    The field is removed (also from the request's headers), so nothing built from the request
+    later, such as a retry's message, can carry it.
     """
     value = getattr(request, GRANT_FIELD, None)
     if value is None:
         return None
     with suppress(AttributeError):
         delattr(request, GRANT_FIELD)
+    headers = getattr(request, "headers", None)  # Celery copies unknown fields there too,
+    if isinstance(headers, dict):  # and self.retry() would publish them with the secret
+        headers.pop(GRANT_FIELD, None)
     if not isinstance(value, list | tuple) or len(value) != 7:
         return None
     secret, permit_id, granted_name, granted_prefix, token, expires_at, granted_at = value

@@ -18,9 +18,11 @@ def test_a_handed_grant_is_taken_over_once() -> None:
     request_dict: dict[str, object] = {}
     hand_over(request_dict, PERMIT, 123.5)
     request = _request(request_dict)
+    assert GRANT_FIELD in request.headers  # Celery's Context copies unknown fields there
     assert take_over(request, "report:7", "redsem", 5.0) == (PERMIT, 123.5)
     assert take_over(request, "report:7", "redsem", 5.0) is None  # removed when taken
     assert not hasattr(request, GRANT_FIELD)
+    assert GRANT_FIELD not in request.headers  # so self.retry() cannot publish the secret
 
 
 def test_a_grant_for_another_task_semaphore_or_prefix_is_refused() -> None:
