@@ -81,9 +81,14 @@ def release_task(task: Task[Any, Any], task_id: str, args: Any, kwargs: Any) -> 
 class ReleasingRequest(Request):
     """A worker request that frees its task's permit when the pool child cannot."""
 
+    _redsem_released = False
+
     def _redsem_release(self) -> None:
+        """Release by task id, once per request: a second time (several of the handlers below
+        may see one end) could free the grant of a redelivered copy that runs elsewhere."""
         task = self.task
-        if task is not None:
+        if task is not None and not self._redsem_released:
+            self._redsem_released = True
             release_task(task, self.id, self.args, self.kwargs)
 
     def _redsem_kill_child(self) -> bool:
