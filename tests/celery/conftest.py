@@ -18,7 +18,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_redsem import FairSemaphore, get_client
+from celery_redsem import FairSemaphore, Permit, get_client
 from celery_redsem.handoff import GRANT_FIELD
 from tests.celery.tasks import make_app
 from tests.servers import wait_until
@@ -95,6 +95,14 @@ def holder(app: Celery, name: str, limit: int = 1, lease: float = 30.0) -> FairS
     return FairSemaphore(
         get_client(app), name, limit, lease=lease, prefix=app.conf.redsem_key_prefix
     )
+
+
+def blocked(app: Celery, name: str) -> tuple[FairSemaphore, Permit]:
+    """Hold the lock ``name`` from the test, so that the app's tasks on it have to wait."""
+    sem = holder(app, name)
+    blocker = sem.acquire()
+    assert blocker is not None
+    return sem, blocker
 
 
 class WorkerProcess:
@@ -184,9 +192,7 @@ class WorkerProcess:
 
 def forged_grant_runs_nothing(app: Celery, key: str) -> None:
     """A message header posing as a handed-over grant does not get a task past a held lock."""
-    sem = holder(app, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"locked:{key}")
     task_id = uuid.uuid4().hex
     forged = ["0" * 32, task_id, f"locked:{key}", app.conf.redsem_key_prefix, 1, 2**41, 0.0]
     result = app.tasks["t.locked"].apply_async(

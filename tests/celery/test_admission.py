@@ -16,6 +16,7 @@ from celery_redsem import AcquireTimeout
 from celery_redsem.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
 from tests.celery.conftest import (
     WorkerProcess,
+    blocked,
     forged_grant_runs_nothing,
     holder,
     running_workers,
@@ -82,9 +83,7 @@ def test_limit_holds_across_workers_without_contention_retries(
 def test_a_parked_task_holds_no_slot_and_runs_once_the_permit_frees(
     app: Celery, admitting_workers: list[WorkerProcess], key: str
 ) -> None:
-    sem = holder(app, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"locked:{key}")
     result = app.tasks["t.locked"].delay(key)
     inspect = app.control.inspect(timeout=1.0)
     wait_until(lambda: result.id in _task_ids(inspect.reserved()), 20, what="task reserved")
@@ -112,9 +111,7 @@ def test_a_parked_task_holds_no_slot_and_runs_once_the_permit_frees(
 def test_a_parked_task_fails_visibly_when_its_wait_budget_is_spent(
     app: Celery, admitting_workers: list[WorkerProcess], key: str
 ) -> None:
-    sem = holder(app, f"budget:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"budget:{key}")
     started = time.monotonic()
     result = app.tasks["t.budget"].delay(key)  # max_wait=0.5
     with pytest.raises(AcquireTimeout, match=r"max_wait=0\.5"):
@@ -129,9 +126,7 @@ def test_a_parked_task_fails_visibly_when_its_wait_budget_is_spent(
 def test_a_task_parked_at_warm_shutdown_runs_after_redelivery(
     app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
 ) -> None:
-    sem = holder(app, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"locked:{key}")
     queue = f"park-{key}"
     first = WorkerProcess(redis_url, module_prefix, "p1", 1, tmp_path / "p1.log", "-Q", queue)
     try:
@@ -186,9 +181,7 @@ def test_parked_tasks_widen_the_prefetch_window_at_most_by_its_size(
 ) -> None:
     # Behind a held lock the worker reserves 2 tasks (one in its window of 1, one widening
     # it) however many wait; the rest stay in the broker for any worker to take.
-    sem = holder(app, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"locked:{key}")
     results = [app.tasks["t.locked"].apply_async((key,), queue=one_slot.queue) for _ in range(6)]
     inspect = app.control.inspect(timeout=1.0, destination=[one_slot.node])
     wait_until(lambda: len(_task_ids(inspect.reserved())) >= 2, 20, what="2 tasks parked")
@@ -207,9 +200,7 @@ def test_two_deliveries_of_one_task_id_parked_together_both_run(
     app: Celery, one_slot: OneSlot, key: str
 ) -> None:
     # A dedupe id chosen by the caller, or a redelivery: both copies are parked on one worker.
-    sem = holder(app, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"locked:{key}")
     task_id = f"same-{key}"
     for _ in range(2):
         app.tasks["t.locked"].apply_async((key,), queue=one_slot.queue, task_id=task_id)

@@ -13,7 +13,7 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError
-from tests.celery.conftest import forged_grant_runs_nothing, holder
+from tests.celery.conftest import blocked, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
 
@@ -62,9 +62,7 @@ def test_key_gets_arguments_by_name_positional_or_keyword(
 def test_contention_retries_keep_the_place_and_spare_max_retries(
     app: Celery, worker: object, key: str, events: dict[str, Counter[str]]
 ) -> None:
-    sem = holder(app, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"locked:{key}")
     result = app.tasks["t.locked"].delay(key)  # max_retries=0
     wait_until(
         lambda: [w.permit_id for w in sem.state().waiters] == [result.id], 10, what="in line"
@@ -112,9 +110,7 @@ def test_a_task_behind_a_long_line_is_retried_and_keeps_its_place(
 ) -> None:
     """Too far back to wait in its slot, a task retries and keeps its ticket until served."""
     fifo = app.tasks["t.fifo"]
-    sem = holder(app, f"fifo:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"fifo:{key}")
     ahead = [sem.attempt(f"ahead-{i}", join_line=True, waiter_lease=30) for i in range(3)]
     assert [w.position for w in ahead] == [1, 2, 3]  # type: ignore[union-attr]
     result = fifo.delay(key, "behind")  # position 4 > 2 x limit: no waiting in the slot
@@ -138,9 +134,7 @@ def test_a_task_behind_a_long_line_is_retried_and_keeps_its_place(
 def test_spent_wait_budget_fails_visibly_and_leaves_the_line(
     app: Celery, worker: object, key: str
 ) -> None:
-    sem = holder(app, f"budget:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(app, f"budget:{key}")
     result = app.tasks["t.budget"].delay(key)
     with pytest.raises(AcquireTimeout, match=r"max_wait=0\.5"):
         result.get(timeout=15)
@@ -202,9 +196,7 @@ def test_eager_mode_blocks_for_a_bounded_time(redis_url: str, module_prefix: str
     from tests.celery.tasks import make_app
 
     eager = make_app(redis_url, module_prefix, task_always_eager=True, redsem_eager_timeout=0.3)
-    sem = holder(eager, f"locked:{key}")
-    blocker = sem.acquire()
-    assert blocker is not None
+    sem, blocker = blocked(eager, f"locked:{key}")
     started = time.monotonic()
     result = eager.tasks["t.locked"].delay(key)
     assert result.state == "FAILURE"
