@@ -270,19 +270,26 @@ class Heartbeat:
                 group[0].client, [h.permit for h in group], idle_ttl=group[0].idle_ttl
             )
         except (BackendError, redis.RedisError) as exc:
-            now = self._clock()
-            for h in group:
-                if h._failed(now):
-                    self._lose(h, f"no refresh succeeded for a whole lease ({exc})")
-            logger.warning(
-                "celery_redsem: refreshing %d permit(s) failed, will retry: %s", len(group), exc
-            )
+            self._unconfirmed(group, exc)
             return
         by_key = {(h.id, h.name, h.permit.prefix): h for h in group}
         for permit in result.refreshed:
             by_key[(permit.id, permit.name, permit.prefix)]._confirm(permit, sent_at)
         for permit in result.lost:
             self._lose(by_key[(permit.id, permit.name, permit.prefix)], "expired or released")
+        if result.failed:  # some cluster nodes did not answer: only their permits wait
+            unanswered = [by_key[(p.id, p.name, p.prefix)] for p in result.failed]
+            self._unconfirmed(unanswered, result.error)
+
+    def _unconfirmed(self, group: list[HeldPermit], error: Exception | None) -> None:
+        """No answer for ``group``: not a loss until a whole lease passed without one."""
+        now = self._clock()
+        for h in group:
+            if h._failed(now):
+                self._lose(h, f"no refresh succeeded for a whole lease ({error})")
+        logger.warning(
+            "celery_redsem: refreshing %d permit(s) failed, will retry: %s", len(group), error
+        )
 
     def _lose(self, held: HeldPermit, why: str) -> None:
         with self._lock:

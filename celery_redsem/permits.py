@@ -49,10 +49,14 @@ class Waiting:
 
 @dataclass(frozen=True)
 class RefreshResult:
-    """Outcome of refreshing many permits: the renewed ones and the ones found lost."""
+    """Outcome of refreshing many permits: the renewed ones, the ones found lost, and (on Redis
+    Cluster) the ones a node could not answer for, with its error: neither renewed nor known
+    lost, so try again."""
 
     refreshed: list[Permit] = field(default_factory=list)
     lost: list[Permit] = field(default_factory=list)
+    failed: list[Permit] = field(default_factory=list)
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from redis.exceptions import NoScriptError
 
 from .errors import AcquireTimeout, BackendError, ConfigurationError, NotEnoughReplicas, PermitLost
 from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from .node_batch import run_on_nodes
 from .permit_ids import new_permit_id
 from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
 from .replication import connected_replicas, forget_primary, run_acknowledged
@@ -475,8 +476,13 @@ def refresh_permits(
 
     On a single server this is one script call for all permits. On Redis Cluster the permits are
     grouped by hash slot (a script may only touch one slot) and the per-slot calls go out in one
-    pipeline that writes to every node before reading any reply: one round trip for all nodes.
+    pipeline per node, all written before any reply is read: one round trip for all nodes
+    (:mod:`~celery_redsem.node_batch`).
     A permit is never resurrected: one that expired or was released is reported lost.
+
+    Raises :class:`BackendError` if no permit could be refreshed. On a cluster where only some
+    nodes failed, the permits on them are in ``failed`` (and the first error in ``error``);
+    the others are refreshed or lost as usual.
     """
     batch = list(permits)
     if not batch:
@@ -499,12 +505,25 @@ def refresh_permits(
             args += [permit.id, str(permit.token), _ms(permit.lease)]
         calls.append((keys, args))
     if len(calls) == 1:
-        replies = [_run(REFRESH, client, *calls[0], batch[0].name)]
+        replies: list[Any] = [_run(REFRESH, client, *calls[0], batch[0].name)]
     else:
-        replies = _run_pipelined(REFRESH, client, calls, batch[0].name)
+        assert isinstance(client, RedisCluster)  # only a cluster has several
+        replies = run_on_nodes(REFRESH, client, calls)
+        errors = [(part, r) for part, r in zip(parts, replies, strict=True) if _is_error(r)]
+        if len(errors) == len(parts):
+            part, error = errors[0]
+            raise _failed(REFRESH, part[0].name, error) from error
     refreshed: list[Permit] = []
     lost: list[Permit] = []
+    failed: list[Permit] = []
+    first_error: Exception | None = None
     for part, reply in zip(parts, replies, strict=True):
+        if _is_error(reply):
+            failed += part
+            if first_error is None:
+                first_error = _failed(REFRESH, part[0].name, reply)
+                first_error.__cause__ = reply
+            continue
         for permit, expires_at in zip(part, reply, strict=True):
             if int(expires_at) > 0:
                 refreshed.append(
@@ -519,39 +538,8 @@ def refresh_permits(
                 )
             else:
                 lost.append(permit)
-    return RefreshResult(refreshed, lost)
+    return RefreshResult(refreshed, lost, failed, first_error)
 
 
-def _run_pipelined(
-    script: LuaScript, client: Any, calls: list[tuple[list[str], list[Any]]], name: str
-) -> list[Any]:
-    """Run ``script`` once per ``(keys, args)`` in one non-transactional pipeline.
-
-    On a cluster the pipeline batches the calls per node and writes to every node before it
-    reads any reply. Calls answered ``NOSCRIPT`` are sent again after ``SCRIPT LOAD``. (Sent
-    with ``execute_command``: redis-py's cluster pipeline refuses ``evalsha()`` only because it
-    cannot know the script is loaded, and the ``NOSCRIPT`` retry here covers that.)
-    """
-    replies: list[Any] = [None] * len(calls)
-    pending = list(range(len(calls)))
-    try:
-        for retry in (True, False):
-            pipe = client.pipeline(transaction=False)
-            for i in pending:
-                keys, args = calls[i]
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            missing = []
-            for i, result in zip(pending, pipe.execute(raise_on_error=False), strict=True):
-                if retry and isinstance(result, NoScriptError):
-                    missing.append(i)
-                elif isinstance(result, Exception):
-                    raise result
-                else:
-                    replies[i] = result
-            if not missing:
-                break
-            client.script_load(script.source)
-            pending = missing
-    except redis.RedisError as exc:
-        raise _failed(script, name, exc) from exc
-    return replies
+def _is_error(reply: Any) -> bool:
+    return isinstance(reply, Exception)

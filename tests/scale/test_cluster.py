@@ -20,10 +20,11 @@ from celery_redsem.cli import redsem
 from celery_redsem.clients import client_from_url
 from celery_redsem.config import reset
 from celery_redsem.errors import BackendError, ConfigurationError, NotEnoughReplicas
+from celery_redsem.heartbeat import Heartbeat, HeldPermit
 from celery_redsem.keys import SemaphoreKeys
 from celery_redsem.scripts import REFRESH
 from tests.scale.acl import PASSWORD, create_user
-from tests.servers import Cluster, wait_until
+from tests.servers import Cluster, valkey_cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,13 @@ def spread_names(client: RedisCluster, prefix: str, n: int) -> list[str]:
     return names
 
 
-def evalsha_calls(cluster: Cluster) -> dict[int, int]:
+def calls_of(cluster: Cluster, command: str) -> dict[int, int]:
+    """How often each node has run ``command`` (as INFO commandstats names it)."""
     counts = {}
     for node in cluster.nodes:
         client = node.client()
         try:
-            stats = client.info("commandstats").get("cmdstat_evalsha", {})
+            stats = client.info("commandstats").get(f"cmdstat_{command}", {})
         finally:
             client.close()
         counts[node.port] = int(stats.get("calls", 0))
@@ -111,9 +113,12 @@ def test_refresh_sends_one_script_call_per_slot_in_one_pipeline(
         client = node.client()
         client.script_load(REFRESH.source)  # so that no NOSCRIPT reply is counted
         client.close()
-    before = evalsha_calls(cluster)
+    before = calls_of(cluster, "evalsha")
+    lookups_before = calls_of(cluster, "command|getkeys")
     result = refresh_permits(cluster_client, permits, idle_ttl=60)  # type: ignore[arg-type]
-    after = evalsha_calls(cluster)
+    after = calls_of(cluster, "evalsha")
+    # redis-py's cluster pipeline would first ask COMMAND GETKEYS for each call, one by one.
+    assert calls_of(cluster, "command|getkeys") == lookups_before
 
     assert result.lost == [gone]
     assert len(result.refreshed) == len(permits) - 1
@@ -275,3 +280,42 @@ def test_the_documented_acl_rule_works_on_every_node(cluster, scale_prefix):
             FairSemaphore(app_client, "x", 1, prefix="elsewhere").acquire()
     finally:
         app_client.close()
+
+
+def test_a_node_down_fails_only_the_refreshes_of_its_own_permits(scale_prefix):
+    # Its own cluster: this test kills a node. Permits on the healthy nodes must go on being
+    # refreshed, not count as unconfirmed (and so, after a lease, as lost) with the others.
+    with valkey_cluster(3) as doomed_cluster:
+        client = doomed_cluster.client()
+        heartbeat = Heartbeat()
+        try:
+            names = spread_names(client, scale_prefix, 30)
+            doomed_node = node_of(client, SemaphoreKeys(scale_prefix, names[0]).holders)
+            elsewhere = next(
+                n
+                for n in names
+                if node_of(client, SemaphoreKeys(scale_prefix, n).holders) != doomed_node
+            )
+            doomed, healthy = (
+                Lock(client, name, lease=1.5, prefix=scale_prefix).acquire()
+                for name in (names[0], elsewhere)
+            )
+            assert isinstance(doomed, Permit)
+            assert isinstance(healthy, Permit)
+            next(n for n in doomed_cluster.nodes if doomed_node.endswith(f":{n.port}")).kill()
+
+            result = refresh_permits(client, [doomed, healthy])
+            assert [p.name for p in result.refreshed] == [healthy.name]
+            assert result.lost == []
+            assert result.failed == [doomed]
+            assert isinstance(result.error, BackendError)
+            assert names[0] in str(result.error)
+
+            held = [heartbeat.track(HeldPermit(p, client)) for p in (doomed, healthy)]
+            wait_until(lambda: held[0].lost, 5, what="the permit on the dead node to be lost")
+            refreshed_at = held[1].expires_at
+            wait_until(lambda: held[1].expires_at > refreshed_at, 2, what="another refresh")
+            assert not held[1].lost  # more than a lease after the node died
+        finally:
+            heartbeat.stop()
+            client.close()

@@ -1,0 +1,103 @@
+"""Run one script many times on Redis Cluster: one pipeline per node, all sent before any is read.
+
+redis-py's cluster pipeline asks the default node ``COMMAND GETKEYS`` for every ``EVALSHA`` in
+it (a round trip each, before anything is sent), and raises for the whole batch when any node
+is unreachable. This sends each node its share of the calls on one connection, then reads the
+replies: one round trip for all nodes, and a node that fails fails only its own calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import MovedError, NoScriptError
+
+from .scripts import LuaScript
+
+__all__ = ["run_on_nodes"]
+
+#: One script call: its keys (all in one slot) and its arguments.
+Call = tuple[Sequence[str], Sequence[Any]]
+
+
+def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call]) -> list[Any]:
+    """The replies of ``calls``, in order; an exception in place of each call that failed.
+
+    A node that answers ``NOSCRIPT`` gets the script loaded and its calls sent again; a
+    ``MOVED`` reply (a slot changed owner) makes the client relearn the layout, and the call
+    fails this time.
+    """
+    replies = _send_and_read(script, client, calls, range(len(calls)))
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    loaded: list[int] = []
+    for node, node_calls in _by_node(client, calls, missing):
+        try:  # on this node only: another one may be down
+            client.get_redis_connection(node).script_load(script.source)
+            loaded += node_calls
+        except redis.RedisError as exc:
+            for i in node_calls:
+                replies[i] = exc
+    for i, reply in zip(loaded, _send_and_read(script, client, calls, loaded), strict=True):
+        replies[i] = reply
+    if any(isinstance(reply, MovedError) for reply in replies):
+        with suppress(redis.RedisError):
+            client.nodes_manager.initialize()
+    return replies
+
+
+def _send_and_read(
+    script: LuaScript, client: RedisCluster, calls: Sequence[Call], indexes: Sequence[int]
+) -> list[Any]:
+    """Send each node its calls among ``indexes``, then read every node's replies."""
+    replies: dict[int, Any] = {}
+    sent: list[tuple[Any, Any, list[int]]] = []
+    for node, node_calls in _by_node(client, calls, indexes):
+        pool = client.get_redis_connection(node).connection_pool
+        connection = None
+        try:
+            connection = pool.get_connection()
+            commands = [
+                ("EVALSHA", script.sha, len(calls[i][0]), *calls[i][0], *calls[i][1])
+                for i in node_calls
+            ]
+            packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
+            connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
+            sent.append((pool, connection, node_calls))
+        except redis.RedisError as exc:
+            _discard(pool, connection)
+            replies.update(dict.fromkeys(node_calls, exc))
+    for pool, connection, node_calls in sent:
+        try:
+            for i in node_calls:
+                try:
+                    replies[i] = connection.read_response()
+                except redis.ResponseError as exc:  # this call's error; the connection is fine
+                    replies[i] = exc
+        except redis.RedisError as exc:
+            _discard(pool, connection)
+            replies.update({i: exc for i in node_calls if i not in replies})
+        else:
+            pool.release(connection)
+    return [replies[i] for i in indexes]
+
+
+def _by_node(
+    client: RedisCluster, calls: Sequence[Call], indexes: Sequence[int]
+) -> list[tuple[Any, list[int]]]:
+    """``indexes`` of ``calls`` grouped by the node that serves their first key."""
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i in indexes:
+        node = client.get_node_from_key(calls[i][0][0])  # type: ignore[no-untyped-call]
+        by_node.setdefault(str(node.name), (node, []))[1].append(i)
+    return list(by_node.values())
+
+
+def _discard(pool: Any, connection: Any) -> None:
+    """Close a connection that failed mid-exchange (its replies may be out of step)."""
+    if connection is not None:
+        connection.disconnect()
+        pool.release(connection)
