@@ -34,7 +34,6 @@ DEFAULT_LEASE = 10.0
 DEFAULT_IDLE_TTL = 60.0
 DEFAULT_REPLICA_TIMEOUT = 0.5
 MAX_PERMIT_ID_LENGTH = 256
-ONE_KEY = b"1"  # EVALSHA's numkeys, encoded once
 MARK_RENEWAL = b":1"  # appended to acquire.lua's settings: mark a renewal in the reply ...
 RENEWED = ":renewed"  # ... with this suffix
 
@@ -154,9 +153,9 @@ class FairSemaphore:
         self.idle_ttl = _positive_seconds(idle_ttl, "idle_ttl")
         self.keys = SemaphoreKeys(validate_prefix(prefix), self.name)
         self._clock = clock
-        # The scripts declare only the holders key; the other keys share its hash tag.
-        self._keys = [self.keys.holders]
-        self._holders = self.keys.holders.encode()  # encoded once, not on every call
+        self._keys = script_keys(self.client, self.keys)
+        # EVALSHA's numkeys and keys, encoded once, not on every call.
+        self._key_args = (str(len(self._keys)).encode(), *(k.encode() for k in self._keys))
         self._prefix = self.keys.prefix
         self._lease_ms = _ms(self.lease)
         self._idle_ms = _ms(self.idle_ttl)
@@ -208,7 +207,7 @@ class FairSemaphore:
         # _retry handles NOSCRIPT and errors.
         try:
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", ACQUIRE.sha_bytes, ONE_KEY, self._holders, pid, settings
+                "EVALSHA", ACQUIRE.sha_bytes, *self._key_args, pid, settings
             )
         except redis.RedisError as exc:
             reply = self._retry(ACQUIRE, exc, pid, settings)
@@ -359,7 +358,7 @@ class FairSemaphore:
             pid, token = _validate_permit_id(permit), ""
         try:  # as in attempt(): redis-py called directly, on every task end
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", RELEASE.sha_bytes, ONE_KEY, self._holders, pid, token
+                "EVALSHA", RELEASE.sha_bytes, *self._key_args, pid, token
             )
         except redis.RedisError as exc:
             reply = self._retry(RELEASE, exc, pid, token)
@@ -448,10 +447,22 @@ def blocking_wait_cap(client: RedisClient) -> float:
     return max(0.01, timeout - max(0.1, 0.2 * timeout))
 
 
+def script_keys(client: RedisClient, keys: SemaphoreKeys) -> list[str]:
+    """The keys a script call declares: on one server only the holders hash (the scripts
+    derive the others, which share its hash tag; fewer arguments, a shorter call on every task
+    start and end); on Redis Cluster all four, so that while their slot migrates Redis
+    redirects the call (``ASK``, ``TRYAGAIN``) instead of running it on half the keys."""
+    if isinstance(client, RedisCluster):
+        return [keys.holders, keys.waiters, keys.waiter_expiry, keys.waiter_due]
+    return [keys.holders]
+
+
 def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> SemaphoreState:
     """Snapshot of the semaphore ``name`` without knowing its limit (the CLI uses this)."""
     keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
-    now, limit, fence, flat_holders, flat_waiters = _run(STATE, client, [keys.holders], [], name)
+    now, limit, fence, flat_holders, flat_waiters = _run(
+        STATE, client, script_keys(client, keys), [], name
+    )
     now = int(now)
     return SemaphoreState(
         name=name,

@@ -2,9 +2,10 @@
 -- never run alone.
 --
 -- Keys of one semaphore. All share the hash tag {name}, so they live in one cluster slot.
--- Scripts declare only the holders key (KEYS[1], which routes the call); the others are derived
--- from it here, in the same slot. Fewer declared keys and arguments measurably shorten the
--- acquire/release round trip, which runs on every task start and end.
+-- On one server scripts declare only the holders key (KEYS[1]); the others are derived from it
+-- here, in the same slot: fewer arguments shorten the acquire/release round trip, which runs on
+-- every task start and end. On Redis Cluster they declare the line's three keys too (KEYS[2..4])
+-- so that Redis redirects a call while the slot migrates. Wake-up lists are never declared.
 --   holders  HASH  permit id -> '<fencing token>:<lease expiry ms>', and seven counters:
 --                          ':fence'   last fencing token granted
 --                          ':limit'   limit the last caller asked for (for inspection and wake-ups)
@@ -52,7 +53,12 @@ local function helpers()
   end
 
   -- Sibling keys of `holders` ('<prefix>:{name}:holders'): waiters, waiter expiries, due times.
+  -- Declared as KEYS[2..4] on Redis Cluster (so that Redis redirects a call while the slot
+  -- migrates), else derived from the name.
   function h.sibling_keys(holders)
+    if KEYS[4] then
+      return KEYS[2], KEYS[3], KEYS[4]
+    end
     local base = string.sub(holders, 1, #holders - 7)
     return base .. 'waiters', base .. 'wexp', base .. 'wdue'
   end

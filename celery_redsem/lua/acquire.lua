@@ -1,6 +1,6 @@
 -- acquire: grant a permit, or take / keep a place in the FIFO waiting line.
 --
--- KEYS[1] holders
+-- KEYS[1] holders (on Redis Cluster also KEYS[2..4]: waiters, wexp, wdue; see _common.lua)
 -- ARGV[1] permit id
 -- ARGV[2] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>:<back in ms>[:1]', where
 --         limit >= 1; the waiter lease is how long a place in line is kept without the waiter

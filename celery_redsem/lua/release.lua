@@ -1,6 +1,6 @@
 -- release: give a permit back, or leave the waiting line. Idempotent and owner-checked.
 --
--- KEYS[1] holders
+-- KEYS[1] holders (on Redis Cluster also KEYS[2..4]: waiters, wexp, wdue; see _common.lua)
 -- ARGV[1] permit id
 -- ARGV[2] fencing token of the grant being released, or '' to release whatever grant the id holds
 --         (used by the worker's main process, which knows only the task id)

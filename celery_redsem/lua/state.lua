@@ -1,6 +1,6 @@
 -- state: a consistent snapshot of one semaphore, for inspection. Read-only.
 --
--- KEYS[1] holders
+-- KEYS[1] holders (on Redis Cluster also KEYS[2..4]: waiters, wexp, wdue; see _common.lua)
 -- Returns {now ms, limit or false, last token or false,
 --          {id, token, lease expiry ms, ...} for live holders,
 --          {id, ticket, waiter expiry ms, ...} for live waiters in line order}

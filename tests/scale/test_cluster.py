@@ -319,3 +319,48 @@ def test_a_node_down_fails_only_the_refreshes_of_its_own_permits(scale_prefix):
         finally:
             heartbeat.stop()
             client.close()
+
+
+def test_a_semaphore_split_by_a_slot_migration_is_retried_not_run_on_half_its_keys(scale_prefix):
+    # Resharding moves keys in batches: for a while the line's keys can be on the new node and
+    # the holders on the old. The call must be redirected or refused for a retry (its keys are
+    # declared), never run on half of them or fail as if the request were wrong.
+    with valkey_cluster(3) as moving:
+        client = moving.client()
+        try:
+            sem = FairSemaphore(client, "moving", 1, lease=30, prefix=scale_prefix)
+            assert isinstance(sem.attempt("A"), Permit)
+            assert sem.attempt("W1", join_line=True, waiter_lease=30).position == 1
+            keys, slot = sem.keys, client.keyslot(sem.keys.holders)
+            source = next(
+                n for n in moving.nodes if node_of(client, keys.holders).endswith(f":{n.port}")
+            )
+            target = next(n for n in moving.nodes if n is not source)
+            admin = {n.port: n.client() for n in moving.nodes}
+            ids = {port: node.execute_command("CLUSTER MYID") for port, node in admin.items()}
+            admin[target.port].execute_command(
+                "CLUSTER SETSLOT", slot, "IMPORTING", ids[source.port]
+            )
+            admin[source.port].execute_command(
+                "CLUSTER SETSLOT", slot, "MIGRATING", ids[target.port]
+            )
+            line = [keys.waiters, keys.waiter_expiry, keys.waiter_due]
+            admin[source.port].execute_command(
+                "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *line
+            )
+            with pytest.raises(BackendError) as mid_move:
+                sem.attempt("W2", join_line=True, waiter_lease=30)
+            assert mid_move.value.transient  # a Celery task retries, it does not fail
+
+            admin[source.port].execute_command(
+                "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", keys.holders
+            )
+            for node in admin.values():
+                node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target.port])
+            # redis-py follows the MOVED reply to the new node; W2 queues behind W1.
+            assert sem.attempt("W2", join_line=True, waiter_lease=30).position == 2
+            assert [w.permit_id for w in sem.state().waiters] == ["W1", "W2"]
+            for node in admin.values():
+                node.close()
+        finally:
+            client.close()
