@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import parse_url
+from redis.connection import parse_url, to_bool
 from redis.exceptions import RedisClusterException
 
 from .errors import BackendError, ConfigurationError
@@ -206,9 +206,17 @@ def _sentinel_client(url: str, **options: Any) -> redis.Redis:
         if key not in ("host", "port", "connection_class")
     }
     connection_kwargs.update(options)
+    # A query string gives strings; redis-py would compare or test them as they are.
+    if isinstance(connection_kwargs.get("ssl"), str):
+        connection_kwargs["ssl"] = bool(to_bool(connection_kwargs["ssl"]))  # type: ignore[no-untyped-call]
+    min_other = connection_kwargs.pop("min_other_sentinels", 0)
+    if isinstance(min_other, str) and min_other.isdigit():
+        min_other = int(min_other)
+    if not isinstance(min_other, int) or isinstance(min_other, bool) or min_other < 0:
+        raise ConfigurationError(f"min_other_sentinels must be an int >= 0, got {min_other!r}")
     manager = Sentinel(  # type: ignore[no-untyped-call]
         sentinels,
-        min_other_sentinels=connection_kwargs.pop("min_other_sentinels", 0),
+        min_other_sentinels=min_other,
         # None: the Sentinels get only the socket_* options, never the primary's password.
         sentinel_kwargs=connection_kwargs.pop("sentinel_kwargs", None),
         **connection_kwargs,

@@ -120,6 +120,21 @@ def test_a_list_of_sentinels_skips_one_that_is_down(shared_sentinel, scale_prefi
         client.close()
 
 
+def test_sentinel_options_in_the_url_are_typed(shared_sentinel, scale_prefix):
+    sentinel = shared_sentinel
+    url = (
+        f"sentinel://127.0.0.1:{sentinel.sentinel.port}/0"
+        f"?master_name={sentinel.master_name}&min_other_sentinels=0&ssl=false"
+    )
+    client = client_from_url(url, socket_timeout=2)  # "0" and "false" as a query gives them
+    try:
+        assert isinstance(FairSemaphore(client, "typed", 1, prefix=scale_prefix).acquire(), Permit)
+    finally:
+        client.close()
+    with pytest.raises(ConfigurationError, match="min_other_sentinels must be an int >= 0"):
+        client_from_url(url.replace("min_other_sentinels=0", "min_other_sentinels=x"))
+
+
 def test_a_sentinel_url_without_master_name_is_a_configuration_error():
     with pytest.raises(ConfigurationError, match="master_name"):
         client_from_url("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380")
