@@ -88,6 +88,7 @@ def test_a_permit_tracked_while_the_thread_looks_is_refreshed_in_time(
         _, first = _held(redis_client, f"{prefix}:1", lease=30)
         heartbeat.track(first)  # starts the thread
         heartbeat.untrack(first)  # its next look finds nothing: it would sleep 30 s
+        heartbeat._wake.set()  # look now (it may have seen `first` and gone to sleep for it)
         assert heartbeat.paused.wait(5)
         sem, held = _held(redis_client, f"{prefix}:2", lease=0.3)
         granted_until = held.expires_at
