@@ -81,9 +81,7 @@ def test_sigkill_of_a_child_frees_its_permit(
     sem = holder(app, f"killed:{key}")
     assert [h.permit_id for h in sem.state().holders] == [result.id]
     os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    wait_until(lambda: sem.state().holders == [], 2.5, what="permit freed")
-    assert time.monotonic() - killed < 2.5  # one lease (no heartbeat any more) + margin
+    wait_until(lambda: sem.state().holders == [], 2.5, what="permit freed")  # a lease + margin
     with pytest.raises(WorkerLostError):  # and the main process saw the loss
         result.get(timeout=15)
 
@@ -149,7 +147,7 @@ def test_soft_time_limit_releases_in_the_child(
 def test_a_task_running_many_leases_keeps_its_permit(
     app: Celery, workers: list[WorkerProcess], key: str
 ) -> None:
-    long = app.tasks["t.locked"].delay(key, 6.0)  # lease is 1 s
+    long = app.tasks["t.locked"].delay(key, 3.5)  # lease is 1 s: more than three leases
     sem = holder(app, f"locked:{key}")
     wait_until(
         lambda: [h.permit_id for h in sem.state().holders] == [long.id], 20, what="long task holds"

@@ -64,7 +64,7 @@ def test_a_burst_on_a_real_worker_never_exceeds_five_per_account(example, accoun
     books = market_api.books([account, other])
     assert books[account]["peak"] == 5  # the limit was reached ...
     assert books[account]["rejected"] == 0  # ... and never exceeded
-    assert books[other]["peak"] <= 3
+    assert books[other]["rejected"] == 0
     sem = FairSemaphore(
         get_client(example), f"market:{account}", 5, prefix=get_config(example).key_prefix
     )

@@ -62,6 +62,7 @@ class Workload:
             with self.guard:
                 self.inside += 1
                 self.peak = max(self.peak, self.inside)
+            self.stop.wait(0.005)  # hold it a while: two holders at once would overlap
             with self.guard:
                 self.inside -= 1
                 self.done += 1
