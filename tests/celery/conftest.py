@@ -176,13 +176,17 @@ class WorkerProcess:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
 
+    def begin_stop(self) -> None:
+        """Ask for a warm shutdown (SIGTERM) without waiting for it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
         """Warm shutdown, then kill the whole process group whatever happens."""
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(15)
+            self.begin_stop()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(15)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -224,6 +228,8 @@ def running_workers(
             proc.wait_ready()
         yield procs
     finally:
+        for proc in procs:  # all shut down at once, then each is waited for
+            proc.begin_stop()
         for proc in procs:
             proc.stop()
         if os.environ.get("REDSEM_TEST_SHOW_WORKER_LOGS"):
