@@ -220,6 +220,24 @@ def test_two_deliveries_of_one_task_id_parked_together_both_run(
 
 
 @pytest.mark.slow
+def test_a_task_revoked_while_it_waits_gives_up_its_place(
+    app: Celery, admitting_workers: list[WorkerProcess], key: str
+) -> None:
+    sem, blocker = blocked(app, f"locked:{key}")
+    result = app.tasks["t.locked"].delay(key)
+    wait_until(
+        lambda: [w.permit_id for w in sem.state().waiters] == [result.id], 20, what="task in line"
+    )
+    app.control.revoke(result.id)
+    # Given up when the worker drops it (it asks again within MAX_PARK), long before its
+    # place would expire by itself (redsem_waiter_margin, 5 s, after its last ask).
+    wait_until(lambda: sem.state().waiters == [], 4, what="its place in line given up")
+    wait_until(lambda: result.state == "REVOKED", 10, what="the task revoked")
+    assert [h.permit_id for h in sem.state().holders] == [blocker.id]  # nobody else got in
+    sem.release(blocker)
+
+
+@pytest.mark.slow
 def test_a_forged_grant_header_is_dropped_at_dispatch(
     app: Celery, admitting_workers: list[WorkerProcess], key: str
 ) -> None:
