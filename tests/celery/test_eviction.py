@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import redis
+from celery.contrib.testing.worker import start_worker
 
 from celery_redsem.worker import check_eviction_policy
+from tests.celery.conftest import close_app
+from tests.celery.tasks import make_app
 from tests.servers import embedded_valkey
 
 
@@ -38,3 +41,19 @@ def test_a_server_that_does_not_answer_is_reported_not_fatal() -> None:
     warning = check_eviction_policy(client) or ""
     assert "cannot reach the semaphores' Redis at worker start" in warning
     assert "Connection refused" in warning
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_worker_warns_at_start_unless_told_not_to(
+    check: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    with embedded_valkey(**{"maxmemory-policy": "allkeys-lru"}) as url:
+        app = make_app(url, "evict", redsem_check_eviction_policy=check)
+        caplog.set_level("WARNING", logger="celery_redsem.worker")
+        try:
+            with start_worker(app, pool="solo", perform_ping_check=False):
+                pass
+        finally:
+            close_app(app)
+    warned = any("maxmemory-policy is 'allkeys-lru'" in r.getMessage() for r in caplog.records)
+    assert warned is check
