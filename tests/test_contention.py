@@ -25,13 +25,17 @@ def _skew_clock(seconds: float) -> None:
     time.time_ns = lambda: real_time_ns() + int(seconds * 1e9)  # type: ignore[assignment]
 
 
-def _contend(url: str, prefix: str, skew: float, rounds: int, seconds: float, out: Any) -> None:
+def _contend(
+    url: str, prefix: str, skew: float, rounds: int, seconds: float, start: Any, out: Any
+) -> None:
     if skew:
         _skew_clock(skew)
     client = redis.Redis.from_url(url)
     sem = FairSemaphore(client, "contended", LIMIT, prefix=prefix, lease=10)
     counter = f"{prefix}:independent-counter"
+    client.ping()  # connected before the start: every process contends for the same window
     grants = highest = 0
+    start.wait(60)
     deadline = time.monotonic() + seconds
     while grants < rounds and time.monotonic() < deadline:
         permit = sem.acquire(blocking=True, timeout=10)
@@ -47,12 +51,15 @@ def _contend(url: str, prefix: str, skew: float, rounds: int, seconds: float, ou
 def _run(url: str, skews: list[float], rounds: int, seconds: float) -> list[tuple[float, int, int]]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
+    start = ctx.Barrier(len(skews) + 1)
     prefix = f"redsemtest-{uuid.uuid4().hex[:12]}"
     procs = [
-        ctx.Process(target=_contend, args=(url, prefix, s, rounds, seconds, out)) for s in skews
+        ctx.Process(target=_contend, args=(url, prefix, s, rounds, seconds, start, out))
+        for s in skews
     ]
     for proc in procs:
         proc.start()
+    start.wait(60)  # all set up: go
     results = [out.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)
@@ -71,8 +78,10 @@ def test_eight_processes_never_exceed_the_limit(redis_url):
 
 
 def test_clients_with_skewed_clocks_get_equal_shares(redis_url):
-    # Half the processes believe it is 5 s later than it is. Only the server clock counts.
-    results = _run(redis_url, [0.0] * 4 + [5.0] * 4, rounds=10**9, seconds=2.0)
+    # Half the processes believe it is 15 s later than it is, longer than a lease: by their
+    # clocks every permit would have expired. Only the server clock counts. (Interleaved, so
+    # that the order the processes start in does not favour either half.)
+    results = _run(redis_url, [0.0, 15.0] * 4, rounds=10**9, seconds=2.0)
     skewed = sum(grants for skew, grants, _ in results if skew)
     total = sum(grants for _, grants, _ in results)
     assert total > 400
