@@ -11,9 +11,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import redis
-
-from .errors import BackendError
+from .errors import REDIS_ERRORS, BackendError
 from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
 from .permits import SemaphoreState
 from .semaphore import DEFAULT_IDLE_TTL, FairSemaphore, RedisClient, read_state
@@ -40,7 +38,7 @@ def _scan(client: RedisClient, match: str) -> Iterator[str]:
     try:
         for key in client.scan_iter(match=match, count=SCAN_COUNT):
             yield _text(key)
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise BackendError(f"Redis failed while scanning {match!r}: {exc}") from exc
 
 
@@ -166,6 +164,6 @@ def purge(client: RedisClient, *, prefix: str = DEFAULT_PREFIX, pattern: str = "
             if deleted:
                 purged += 1
                 logger.warning("purge: deleted %d keys of semaphore %r", deleted, name)
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise BackendError(f"Redis failed while purging: {exc}") from exc
     return purged

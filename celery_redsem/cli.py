@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import click
-import redis
 
 from .admin import force_release, purge, state_to_dict, states
 from .clients import client_from_url, redact_url
-from .errors import BackendError, RedsemError
+from .errors import REDIS_ERRORS, BackendError, RedsemError
 from .keys import SemaphoreKeys, validate_prefix
 from .permits import SemaphoreState
 from .semaphore import RedisClient, read_state
@@ -120,7 +119,7 @@ def _ttls(client: RedisClient, keys: list[str]) -> dict[str, int]:
     """Milliseconds left of each existing key (keys without a TTL show -1)."""
     try:
         found = {key: int(client.pttl(key)) for key in keys}
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise BackendError(f"Redis failed reading key TTLs: {exc}") from exc
     return {key: ttl for key, ttl in found.items() if ttl != -2}
 

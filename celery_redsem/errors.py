@@ -19,6 +19,7 @@ from __future__ import annotations
 import redis.exceptions as redis_errors
 
 __all__ = [
+    "REDIS_ERRORS",
     "AcquireTimeout",
     "BackendError",
     "ConfigurationError",
@@ -78,34 +79,45 @@ class PermitLost(RedsemError):
     """A permit's lease ended (or it was force-released) while its holder still ran."""
 
 
-#: Error replies (without an exception class of their own in redis-py) of a server busy
-#: running a script, or without the replicas ``min-replicas-to-write`` asks for.
-_TRANSIENT_REPLIES = ("BUSY ", "NOREPLICAS ")
-#: Refusals that arrive as connection errors but no retry can fix.
-_REFUSALS = (redis_errors.AuthenticationError, redis_errors.AuthorizationError)
+#: Errors no retry can fix: a wrong password, a missing ACL permission, keys split across
+#: slots, input the client refuses to send.
+_REFUSALS = (
+    redis_errors.AuthenticationError,
+    redis_errors.AuthenticationWrongNumberOfArgsError,
+    redis_errors.AuthorizationError,
+    redis_errors.NoPermissionError,
+    redis_errors.ClusterCrossSlotError,
+    redis_errors.DataError,
+)
+#: Everything redis-py raises for a call that did not go through (``RedisClusterException``
+#: is not a ``RedisError``: a cluster whose layout cannot be learnt, a slot nobody serves).
+REDIS_ERRORS = (redis_errors.RedisError, redis_errors.RedisClusterException)
 
 
 def is_transient(error: BaseException) -> bool:
     """Whether a Redis error is an outage that can pass, worth retrying the call later.
 
-    True for an unreachable or timed-out server, a cluster or Sentinel failover, a server that
-    is loading, busy or out of memory. False for what no retry fixes: a wrong password, a
-    missing ACL permission, a bad client option (such as a TLS setting), a script error.
+    False for what no retry fixes, also when it is the cause of another error (a cluster that
+    cannot be reached because every node refused the password): a wrong password, a missing
+    ACL permission, a generic ``ERR`` reply (a script error, an unknown command), a
+    ``WRONGTYPE`` key, a client option redis-py rejects. True for the rest: an unreachable or
+    timed-out server, a failover, a server loading, busy, out of memory, unable to persist
+    (``MISCONF``), short of replicas, and error replies it does not know.
     """
-    if isinstance(error, _REFUSALS):
-        return False
-    if isinstance(
+    cause: BaseException | None = error
+    for _ in range(8):  # the chain of causes, bounded
+        if cause is None:
+            break
+        if isinstance(cause, _REFUSALS):
+            return False
+        cause = cause.__cause__
+    if isinstance(error, redis_errors.ResponseError):
+        generic = getattr(error, "status_code", None) == "ERR"  # redis-py strips the "ERR "
+        return not (generic or str(error).startswith(("ERR ", "WRONGTYPE ")))
+    return isinstance(
         error,
         redis_errors.ConnectionError
         | redis_errors.TimeoutError
         | redis_errors.ClusterError
-        | redis_errors.RedisClusterException
-        | redis_errors.TryAgainError
-        | redis_errors.AskError
-        | redis_errors.ReadOnlyError
-        | redis_errors.OutOfMemoryError,
-    ):
-        return True
-    if isinstance(error, redis_errors.ResponseError):
-        return str(error).startswith(_TRANSIENT_REPLIES)
-    return False
+        | redis_errors.RedisClusterException,
+    )

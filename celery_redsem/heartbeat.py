@@ -33,9 +33,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
-from .errors import BackendError, PermitLost
+from .errors import REDIS_ERRORS, BackendError, PermitLost
 from .permits import Permit
 from .semaphore import DEFAULT_IDLE_TTL, RedisClient, refresh_permits
 
@@ -269,7 +267,7 @@ class Heartbeat:
             result = refresh_permits(
                 group[0].client, [h.permit for h in group], idle_ttl=group[0].idle_ttl
             )
-        except (BackendError, redis.RedisError) as exc:
+        except (BackendError, *REDIS_ERRORS) as exc:
             self._unconfirmed(group, exc)
             return
         by_key = {(h.id, h.name, h.permit.prefix): h for h in group}

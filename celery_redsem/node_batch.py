@@ -14,8 +14,9 @@ from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import MovedError, NoScriptError
+from redis.exceptions import AskError, MovedError, NoScriptError
 
+from .errors import REDIS_ERRORS
 from .scripts import LuaScript
 
 __all__ = ["run_on_nodes"]
@@ -27,9 +28,9 @@ Call = tuple[Sequence[str], Sequence[Any]]
 def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call]) -> list[Any]:
     """The replies of ``calls``, in order; an exception in place of each call that failed.
 
-    A node that answers ``NOSCRIPT`` gets the script loaded and its calls sent again; a
-    ``MOVED`` reply (a slot changed owner) makes the client relearn the layout, and the call
-    fails this time.
+    A node that answers ``NOSCRIPT`` gets the script loaded and its calls sent again. A call
+    answered ``MOVED`` or ``ASK`` (its slot changed owner, or is migrating) is sent again on
+    its own through the client, which follows the redirect (and relearns the layout).
     """
     replies = _send_and_read(script, client, calls, range(len(calls)))
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
@@ -38,15 +39,32 @@ def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call])
         try:  # on this node only: another one may be down
             client.get_redis_connection(node).script_load(script.source)
             loaded += node_calls
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             for i in node_calls:
                 replies[i] = exc
     for i, reply in zip(loaded, _send_and_read(script, client, calls, loaded), strict=True):
         replies[i] = reply
-    if any(isinstance(reply, MovedError) for reply in replies):
-        with suppress(redis.RedisError):
+    redirected = [i for i, reply in enumerate(replies) if isinstance(reply, AskError)]
+    if any(isinstance(replies[i], MovedError) for i in redirected):
+        with suppress(*REDIS_ERRORS):
             client.nodes_manager.initialize()
+    for i in redirected:  # rare: one call at a time, as the client routes it
+        replies[i] = _call_through_client(script, client, calls[i])
     return replies
+
+
+def _call_through_client(script: LuaScript, client: RedisCluster, call: Call) -> Any:
+    """One call sent by the cluster client itself: its reply, or the exception it raised."""
+    keys, args = call
+    try:
+        try:
+            return client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(keys), *keys, *args
+            )
+        except NoScriptError:
+            return script.load_and_call(client, keys, args)
+    except REDIS_ERRORS as exc:
+        return exc
 
 
 def _send_and_read(
@@ -67,7 +85,7 @@ def _send_and_read(
             packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
             connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
             sent.append((pool, connection, node_calls))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             _discard(pool, connection)
             replies.update(dict.fromkeys(node_calls, exc))
     for pool, connection, node_calls in sent:
@@ -77,7 +95,7 @@ def _send_and_read(
                     replies[i] = connection.read_response()
                 except redis.ResponseError as exc:  # this call's error; the connection is fine
                     replies[i] = exc
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             _discard(pool, connection)
             replies.update({i: exc for i in node_calls if i not in replies})
         else:

@@ -19,7 +19,14 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from .errors import AcquireTimeout, BackendError, ConfigurationError, NotEnoughReplicas, PermitLost
+from .errors import (
+    REDIS_ERRORS,
+    AcquireTimeout,
+    BackendError,
+    ConfigurationError,
+    NotEnoughReplicas,
+    PermitLost,
+)
 from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
 from .node_batch import run_on_nodes
 from .permit_ids import new_permit_id
@@ -89,14 +96,14 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _failed(script: LuaScript, name: str, exc: redis.RedisError) -> BackendError:
+def _failed(script: LuaScript, name: str, exc: BaseException) -> BackendError:
     return BackendError(f"Redis failed during {script.filename} for {name!r}: {exc}", name=name)
 
 
 def _run(script: LuaScript, client: Any, keys: list[str], args: list[Any], name: str) -> Any:
     try:
         return script(client, keys, args)
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise _failed(script, name, exc) from exc
 
 
@@ -209,18 +216,18 @@ class FairSemaphore:
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
                 "EVALSHA", ACQUIRE.sha_bytes, *self._key_args, pid, settings
             )
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             reply = self._retry(ACQUIRE, exc, pid, settings)
         return self._result(pid, reply)
 
-    def _retry(self, script: LuaScript, exc: redis.RedisError, *args: Any) -> Any:
+    def _retry(self, script: LuaScript, exc: BaseException, *args: Any) -> Any:
         """After ``script`` failed with ``exc``: run it again once the server lost it
         (``NOSCRIPT`` after a restart or ``SCRIPT FLUSH``), else raise BackendError."""
         try:
             if not isinstance(exc, NoScriptError):
                 raise exc
             return script.load_and_call(self.client, self._keys, args)
-        except redis.RedisError as error:
+        except REDIS_ERRORS as error:
             raise _failed(script, self.name, error) from error
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
@@ -252,7 +259,7 @@ class FairSemaphore:
                 replicas=self.min_replicas,
                 timeout_ms=_ms(self.replica_timeout),
             )
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise BackendError(
                 f"Redis failed during acquire.lua + WAIT for {self.name!r}: {exc}", name=self.name
             ) from exc
@@ -266,7 +273,7 @@ class FairSemaphore:
         self.release(permit)
         try:
             connected = connected_replicas(self.client, self._keys[0])
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise BackendError(f"Redis failed during INFO: {exc}", name=self.name) from exc
         if connected < self.min_replicas:
             forget_primary(self.client)
@@ -336,7 +343,7 @@ class FairSemaphore:
     def _wait_for_wake(self, permit_id: str, seconds: float) -> None:
         try:
             self.client.blpop([self.keys.wake(permit_id)], timeout=max(seconds, 0.001))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise BackendError(
                 f"Redis failed while waiting for {self.name!r}: {exc}", name=self.name
             ) from exc
@@ -360,7 +367,7 @@ class FairSemaphore:
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
                 "EVALSHA", RELEASE.sha_bytes, *self._key_args, pid, token
             )
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             reply = self._retry(RELEASE, exc, pid, token)
         return int(reply) > 0
 

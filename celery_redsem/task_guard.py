@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, NamedTuple, NoReturn, cast
 
-import redis
 from celery import Celery, Task
 from celery import _state as celery_state
 from celery._state import get_current_app, get_current_task
@@ -51,7 +50,7 @@ from .backoff import (
     return_delays,
 )
 from .config import LOST_LEASE_POLICIES, RedsemConfig, get_client, get_config
-from .errors import AcquireTimeout, BackendError, ConfigurationError, KeyFunctionError
+from .errors import REDIS_ERRORS, AcquireTimeout, BackendError, ConfigurationError, KeyFunctionError
 from .handoff import take_over
 from .heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
 from .keys import validate_name
@@ -628,7 +627,7 @@ def _wait_in_slot(
             return result
         try:
             sem.client.blpop([wake], timeout=max(_MIN_POLL, min(remaining, poll)))
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise BackendError(
                 f"Redis failed while waiting for {sem.name!r}: {exc}", name=sem.name
             ) from exc

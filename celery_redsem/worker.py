@@ -33,7 +33,6 @@ from contextlib import suppress
 from typing import Any
 
 import billiard.einfo
-import redis
 from billiard.einfo import ExceptionInfo
 from celery import Celery, Task
 from celery.concurrency import get_implementation
@@ -45,7 +44,7 @@ from celery.worker.request import Request
 
 from .admission import install_admission
 from .config import get_client, get_config
-from .errors import RedsemError, is_transient
+from .errors import REDIS_ERRORS, RedsemError, is_transient
 from .semaphore import RedisClient
 from .task_guard import call_arguments, guards_of, iter_guarded_tasks
 
@@ -169,7 +168,7 @@ def check_eviction_policy(client: RedisClient) -> str | None:
     """
     try:
         reply = client.info("memory")
-    except redis.RedisError as exc:
+    except REDIS_ERRORS as exc:
         if is_transient(exc):
             return (
                 f"celery_redsem: cannot reach the semaphores' Redis at worker start ({exc}); "

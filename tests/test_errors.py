@@ -1,12 +1,22 @@
-"""Which Redis errors a task waits out (transient) and which fail it at once."""
+"""Which Redis errors a task waits out (transient) and which fail it at once.
+
+Server errors are built from the error reply as redis-py parses it off the wire.
+"""
 
 from __future__ import annotations
 
 import pytest
 import redis.exceptions as e
+from redis._parsers.base import BaseParser
 
 from celery_redsem import BackendError
 from celery_redsem.errors import is_transient
+
+
+def reply(text: str) -> Exception:
+    """The exception redis-py raises for the error reply ``text``."""
+    error: Exception = BaseParser.parse_error(text)
+    return error
 
 
 @pytest.mark.parametrize(
@@ -14,15 +24,16 @@ from celery_redsem.errors import is_transient
     [
         e.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),
         e.TimeoutError("Timeout reading from socket"),
-        e.BusyLoadingError("Redis is loading the dataset in memory"),  # LOADING
-        e.ResponseError("BUSY Redis is busy running a script."),
-        e.ReadOnlyError("You can't write against a read only replica."),  # READONLY
-        e.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),  # OOM
-        e.ResponseError("NOREPLICAS Not enough good replicas to write."),
-        e.ClusterDownError("The cluster is down"),  # CLUSTERDOWN
-        e.MasterDownError("Link with MASTER is down"),  # MASTERDOWN
-        e.TryAgainError("Multiple keys request during rehashing of slot"),  # TRYAGAIN
-        e.MovedError("3999 127.0.0.1:6381"),
+        reply("LOADING Redis is loading the dataset in memory"),
+        reply("BUSY Redis is busy running a script. You can only call SCRIPT KILL"),
+        reply("READONLY You can't write against a read only replica."),
+        reply("OOM command not allowed when used memory > 'maxmemory'."),
+        reply("MISCONF Redis is configured to save RDB snapshots, but it's currently unable"),
+        reply("NOREPLICAS Not enough good replicas to write."),
+        reply("CLUSTERDOWN The cluster is down"),
+        reply("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+        reply("TRYAGAIN Multiple keys request during rehashing of slot"),
+        reply("MOVED 3999 127.0.0.1:6381"),
         e.ClusterError("TTL exhausted."),
         e.RedisClusterException("Redis Cluster cannot be connected."),
     ],
@@ -35,11 +46,13 @@ def test_outages_failovers_and_a_busy_server_are_transient(error: Exception) -> 
 @pytest.mark.parametrize(
     "error",
     [
-        e.AuthenticationError("invalid username-password pair or user is disabled."),
-        e.AuthorizationError("Authorization error"),
-        e.NoPermissionError("this user has no permissions to run the 'evalsha' command"),
-        e.ResponseError("ERR user_script:12: attempt to compare nil with number"),
-        e.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        reply("WRONGPASS invalid username-password pair or user is disabled."),
+        reply("NOAUTH Authentication required."),
+        reply("NOPERM User app has no permissions to run the 'evalsha' command"),
+        reply("ERR user_script:12: attempt to compare nil with number script: 4f3c"),
+        reply("ERR unknown command 'FCALL', with args beginning with:"),
+        reply("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        reply("CROSSSLOT Keys in request don't hash to the same slot"),
         e.DataError("Invalid input of type: 'NoneType'."),
         e.RedisError("Invalid SSL Certificate Requirements Flag: always"),
     ],
@@ -49,9 +62,16 @@ def test_refusals_no_retry_can_fix_are_not(error: Exception) -> None:
     assert not is_transient(error)
 
 
+def test_a_refusal_behind_another_error_is_not_transient() -> None:
+    # redis-py's cluster client: no node could be reached because every node refused.
+    with pytest.raises(e.RedisClusterException) as raised:
+        raise e.RedisClusterException("cannot be connected") from reply("WRONGPASS invalid")
+    assert not is_transient(raised.value)
+
+
 def test_a_backend_error_is_as_transient_as_its_cause() -> None:
     assert BackendError("Redis failed").transient  # no cause known: assume an outage
-    for cause, transient in [(e.ConnectionError("down"), True), (e.NoPermissionError("no"), False)]:
+    for cause, transient in [(e.ConnectionError("down"), True), (reply("NOPERM no"), False)]:
         with pytest.raises(BackendError) as raised:
             raise BackendError("Redis failed") from cause
         assert raised.value.transient is transient

@@ -329,9 +329,14 @@ def test_a_semaphore_split_by_a_slot_migration_is_retried_not_run_on_half_its_ke
         client = moving.client()
         try:
             sem = FairSemaphore(client, "moving", 1, lease=30, prefix=scale_prefix)
-            assert isinstance(sem.attempt("A"), Permit)
+            held = sem.attempt("A")
+            assert isinstance(held, Permit)
             assert sem.attempt("W1", join_line=True, waiter_lease=30).position == 1
             keys, slot = sem.keys, client.keyslot(sem.keys.holders)
+            steady = Lock(client, "steady", lease=30, prefix=scale_prefix).acquire()
+            assert steady is not None
+            assert client.keyslot(steady.keys.holders) != slot
+            permits = [held, steady]  # refreshed in one batch, one call per slot
             source = next(
                 n for n in moving.nodes if node_of(client, keys.holders).endswith(f":{n.port}")
             )
@@ -355,8 +360,12 @@ def test_a_semaphore_split_by_a_slot_migration_is_retried_not_run_on_half_its_ke
             admin[source.port].execute_command(
                 "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", keys.holders
             )
+            # The old node answers ASK for the moved holders: the refresh follows it.
+            assert len(refresh_permits(client, permits).refreshed) == 2
             for node in admin.values():
                 node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target.port])
+            # And MOVED, once the slot is the new node's.
+            assert len(refresh_permits(client, permits).refreshed) == 2
             # redis-py follows the MOVED reply to the new node; W2 queues behind W1.
             assert sem.attempt("W2", join_line=True, waiter_lease=30).position == 2
             assert [w.permit_id for w in sem.state().waiters] == ["W1", "W2"]
