@@ -178,7 +178,8 @@ class Admission:
         if earlier is not None:
             first_ms = earlier.first_ms
         else:
-            first_ms = _read_wait(req).first_ms or _server_ms(result, present)
+            now_ms = _server_ms(result, present)
+            first_ms = min(_read_wait(req).first_ms or now_ms, now_ms)  # never in the future
         tries = earlier.tries + 1 if earlier is not None else 0
         park = park_time(
             position=result.position,

@@ -367,7 +367,9 @@ class TaskGuard:
             return result
         # The first answer from Redis starts the wait, backdated by any time spent unable to
         # reach it before that.
-        first_ms = wait.first_ms or now_ms - wait.offline_ms
+        # (Never later than now: a header claiming so, forged or from a server whose clock
+        # went back, would stop the wait from ever counting toward max_wait.)
+        first_ms = min(wait.first_ms or now_ms - wait.offline_ms, now_ms)
         waited = max(0, now_ms - first_ms) / 1000
         max_wait = self.max_wait_for(config)
         hold = hold_times.estimate(task.name)
@@ -566,6 +568,10 @@ def _optional_seconds(
     return float(value)
 
 
+#: Highest retry count read from a ``redsem_wait`` header.
+_MAX_COUNT = 64
+
+
 class WaitState(NamedTuple):
     """Where a task stands in its wait for a permit; travels in the ``redsem_wait`` header."""
 
@@ -601,7 +607,10 @@ def _read_wait_header(request: Context) -> WaitState:
     if retries != request.retries:  # the task's own retry since: a fresh wait
         return WaitState()
     errors, due_ms, offline_ms = rest or (0, 0, 0)
-    return WaitState(attempts, first_ms, errors, due_ms, offline_ms)
+    # Counts feed an exponential backoff (2 ** n): bounded, whatever a message says.
+    return WaitState(
+        min(attempts, _MAX_COUNT), first_ms, min(errors, _MAX_COUNT), due_ms, offline_ms
+    )
 
 
 def _wait_in_slot(

@@ -13,6 +13,7 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError
+from celery_redsem.task_guard import WAIT_HEADER
 from tests.celery.conftest import blocked, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
@@ -139,6 +140,20 @@ def test_spent_wait_budget_fails_visibly_and_leaves_the_line(
     with pytest.raises(AcquireTimeout, match=r"max_wait=0\.5"):
         result.get(timeout=15)
     assert result.state == "FAILURE"
+    assert sem.state().waiters == []
+    sem.release(blocker)
+
+
+def test_a_forged_wait_header_neither_lifts_the_budget_nor_stalls_the_worker(
+    app: Celery, worker: object, key: str
+) -> None:
+    # A wait that "began" in the future, after 10**12 retries: the budget still runs out, and
+    # the backoff (2 ** retries) is computed from a bounded count.
+    sem, blocker = blocked(app, f"budget:{key}")
+    forged = [10**12, 10**15, 0, 10**12, 0, 0]
+    result = app.tasks["t.budget"].apply_async((key,), headers={WAIT_HEADER: forged})
+    with pytest.raises(AcquireTimeout, match=r"max_wait=0\.5"):
+        result.get(timeout=15)
     assert sem.state().waiters == []
     sem.release(blocker)
 
