@@ -309,10 +309,20 @@ def get_config(app: Celery) -> RedsemConfig:
 
 
 def _warn_about_unknown_settings(conf: Mapping[str, Any]) -> None:
-    """Log a warning for each ``redsem_*`` key that is no setting: a typo would be ignored."""
+    """Log a warning for each ``redsem_*`` key that is not read: a typo, or a setting spelled
+    in a way ``app.conf`` does not map to it (``REDSEM_LEASE``; ``CELERY_REDSEM_LEASE`` loaded
+    without ``namespace="CELERY"``)."""
     for key in map(str, list(conf.keys())):
         name = key.lower().removeprefix("celery_")
-        if name.startswith("redsem_") and name not in _DEFAULTS:
+        if name in _DEFAULTS and key != name and conf.get(name, _UNSET) is _UNSET:
+            logger.warning(
+                "celery_redsem: %s is not read; write it as %s (or CELERY_%s in Django "
+                "settings loaded with namespace='CELERY')",
+                key,
+                name,
+                name.upper(),
+            )
+        elif name.startswith("redsem_") and name not in _DEFAULTS:
             close = difflib.get_close_matches(name, _DEFAULTS, n=1)
             if close and key.isupper():  # as Django writes it
                 close[0] = key[: len(key) - len(name)] + close[0].upper()

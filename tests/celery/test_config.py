@@ -177,3 +177,22 @@ def test_a_misspelled_setting_is_warned_about_with_the_likely_name(
         "celery_redsem: redsem_idle_tt is not a celery_redsem setting and is ignored; "
         "did you mean redsem_idle_ttl?",
     ]
+
+
+def test_a_setting_spelled_so_that_celery_does_not_map_it_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Settings:
+        REDSEM_MAX_WAIT = 10  # no CELERY_ prefix
+        CELERY_REDSEM_LEASE = 20  # loaded below without namespace="CELERY"
+
+    app = Celery("redsem-unread", set_as_current=False)
+    app.config_from_object(Settings)
+    caplog.set_level("WARNING", logger="celery_redsem.config")
+    config = get_config(app)
+    assert (config.lease, config.max_wait) == (10.0, 3600.0)  # neither was read ...
+    warnings = sorted(r.getMessage() for r in caplog.records if "is not read" in r.getMessage())
+    assert [w.split(";")[0] for w in warnings] == [  # ... and both are named
+        "celery_redsem: CELERY_REDSEM_LEASE is not read",
+        "celery_redsem: REDSEM_MAX_WAIT is not read",
+    ]
