@@ -19,6 +19,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import FairSemaphore, Permit, get_client
+from celery_redsem.config import reset
 from celery_redsem.handoff import GRANT_FIELD
 from tests.celery.tasks import make_app
 from tests.servers import wait_until
@@ -64,6 +65,7 @@ def close_app(app: Celery) -> None:
     consumer = getattr(app.backend, "result_consumer", None)
     if consumer is not None:
         consumer.stop()
+    reset(app)  # and celery_redsem's client of it
     app.close()
 
 

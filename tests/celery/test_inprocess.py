@@ -14,7 +14,7 @@ from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError
 from celery_redsem.task_guard import WAIT_HEADER
-from tests.celery.conftest import blocked, forged_grant_runs_nothing, holder
+from tests.celery.conftest import blocked, close_app, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
 
@@ -226,7 +226,7 @@ def test_eager_mode_blocks_for_a_bounded_time(redis_url: str, module_prefix: str
     # ... and .run() (no task on the stack) on this app, which is not the current one.
     assert eager.tasks["t.locked"].run(key)["name"] == f"locked:{key}"
     assert sem.state().holders == []
-    eager.close()
+    close_app(eager)
 
 
 def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worker: object) -> None:
