@@ -57,7 +57,8 @@ def test_a_permit_taken_away_is_reported_lost(
     heartbeat.track(held)
     assert sem.release(held.id)  # force-released by id, as an operator would
     wait_until(lambda: held.lost, 3, what="loss noticed")
-    assert "lost its lease" in caplog.text
+    # Logged by the heartbeat thread just after it flags the loss.
+    wait_until(lambda: "lost its lease" in caplog.text, 3, what="loss logged")
     with pytest.raises(PermitLost):
         held.check()
     assert held not in heartbeat.held()
