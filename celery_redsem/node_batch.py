@@ -55,14 +55,8 @@ def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call])
 
 def _call_through_client(script: LuaScript, client: RedisCluster, call: Call) -> Any:
     """One call sent by the cluster client itself: its reply, or the exception it raised."""
-    keys, args = call
     try:
-        try:
-            return client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", script.sha, len(keys), *keys, *args
-            )
-        except NoScriptError:
-            return script.load_and_call(client, keys, args)
+        return script(client, *call)
     except REDIS_ERRORS as exc:
         return exc
 
