@@ -263,9 +263,11 @@ class FairSemaphore:
             raise BackendError(
                 f"Redis failed during acquire.lua + WAIT for {self.name!r}: {exc}", name=self.name
             ) from exc
-        renewed = isinstance(reply, bytes | str) and _text(reply).endswith(RENEWED)
-        if renewed:
-            reply = _text(reply)[: -len(RENEWED)]
+        renewed = False
+        if isinstance(reply, bytes | str):  # a grant
+            text = _text(reply)
+            renewed = text.endswith(RENEWED)
+            reply = text.removesuffix(RENEWED)
         permit = self._result(pid, reply)
         # A renewal keeps the grant held before (acknowledged then); only a new one goes back.
         if isinstance(permit, Waiting) or acked >= self.min_replicas or renewed:
@@ -527,16 +529,12 @@ def refresh_permits(
     else:
         assert isinstance(client, RedisCluster)  # only a cluster has several
         replies = run_on_nodes(REFRESH, client, calls)
-        errors = [(part, r) for part, r in zip(parts, replies, strict=True) if _is_error(r)]
-        if len(errors) == len(parts):
-            part, error = errors[0]
-            raise _failed(REFRESH, part[0].name, error) from error
     refreshed: list[Permit] = []
     lost: list[Permit] = []
     failed: list[Permit] = []
-    first_error: Exception | None = None
+    first_error: BackendError | None = None
     for part, reply in zip(parts, replies, strict=True):
-        if _is_error(reply):
+        if isinstance(reply, Exception):  # its node failed (only on a cluster)
             failed += part
             if first_error is None:
                 first_error = _failed(REFRESH, part[0].name, reply)
@@ -556,8 +554,6 @@ def refresh_permits(
                 )
             else:
                 lost.append(permit)
+    if first_error is not None and len(failed) == len(batch):
+        raise first_error  # no permit could be refreshed
     return RefreshResult(refreshed, lost, failed, first_error)
-
-
-def _is_error(reply: Any) -> bool:
-    return isinstance(reply, Exception)
