@@ -175,10 +175,10 @@ class Admission:
         result = _attempt(sem, req.id, waiter_lease=present)
         if isinstance(result, Permit):
             return result, asked
+        now_ms = _server_ms(result, present)
         if earlier is not None:
             first_ms = earlier.first_ms
         else:
-            now_ms = _server_ms(result, present)
             first_ms = min(_read_wait(req).first_ms or now_ms, now_ms)  # never in the future
         tries = earlier.tries + 1 if earlier is not None else 0
         park = park_time(
@@ -187,7 +187,7 @@ class Admission:
             hold=hold_times.estimate(task.name),
             tries=tries,
         )
-        waited = (_server_ms(result, present) - first_ms) / 1000
+        waited = (now_ms - first_ms) / 1000
         max_wait = guard.max_wait_for(config)
         if max_wait is not None:
             if waited >= max_wait:  # the child fails it with AcquireTimeout
