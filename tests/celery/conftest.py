@@ -215,14 +215,21 @@ def forged_grant_runs_nothing(app: Celery, key: str) -> None:
 
 @contextlib.contextmanager
 def running_workers(
-    redis_url: str, prefix: str, logs: Path, names: list[str], concurrency: int, **conf: object
+    redis_url: str,
+    prefix: str,
+    logs: Path,
+    names: list[str],
+    concurrency: int,
+    *extra: str,
+    **conf: object,
 ) -> Iterator[list[WorkerProcess]]:
     """Prefork worker subprocesses named ``names``, ready; stopped (logs shown if asked) after.
 
+    ``extra`` are more ``celery worker`` arguments (``"-Q", "queue"``), ``conf`` app settings.
     ``REDSEM_TEST_SHOW_WORKER_LOGS=1`` prints their logs when they stop.
     """
     procs = [
-        WorkerProcess(redis_url, prefix, name, concurrency, logs / f"{name}.log", conf=conf)
+        WorkerProcess(redis_url, prefix, name, concurrency, logs / f"{name}.log", *extra, conf=conf)
         for name in names
     ]
     try:

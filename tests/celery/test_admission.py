@@ -155,22 +155,17 @@ class OneSlot(NamedTuple):
 def one_slot(
     redis_url: str, module_prefix: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OneSlot]:
-    logs = tmp_path_factory.mktemp("one-slot")
-    worker = WorkerProcess(
+    with running_workers(
         redis_url,
         module_prefix,
-        "slot1",
+        tmp_path_factory.mktemp("one-slot"),
+        ["slot1"],
         1,
-        logs / "slot1.log",
         "-Q",
         "one-slot",
-        conf={"worker_prefetch_multiplier": 1},
-    )
-    try:
-        worker.wait_ready()
+        worker_prefetch_multiplier=1,
+    ):
         yield OneSlot("one-slot", f"slot1@{socket.gethostname()}")
-    finally:
-        worker.stop()
 
 
 @pytest.mark.slow
