@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.cluster import RedisCluster
@@ -33,6 +33,9 @@ from .permit_ids import new_permit_id
 from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
 from .replication import connected_replicas, forget_primary, run_acknowledged
 from .scripts import ACQUIRE, REFRESH, RELEASE, STATE, LuaScript
+
+if TYPE_CHECKING:
+    from .heartbeat import Heartbeat, HeldPermit
 
 __all__ = ["FairSemaphore", "Lock", "RedisClient", "refresh_permits"]
 
@@ -307,7 +310,12 @@ class FairSemaphore:
             result = self.attempt(permit_id)
             return result if isinstance(result, Permit) else None
         if timeout is not None:
-            timeout = max(0.0, float(timeout))
+            timeout = float(timeout)
+            if not timeout >= 0:
+                raise ConfigurationError(
+                    f"timeout must be >= 0 seconds, or None to wait without limit; got {timeout}",
+                    name=self.name,
+                )
         pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
         deadline = None if timeout is None else self._clock() + timeout
         poll_cap = self._poll_cap()
@@ -323,9 +331,20 @@ class FairSemaphore:
 
     @contextmanager
     def hold(
-        self, timeout: float | None = None, *, permit_id: str | None = None
+        self,
+        timeout: float | None = None,
+        *,
+        permit_id: str | None = None,
+        keep_alive: bool = False,
     ) -> Iterator[Permit]:
-        """Context manager: block for a permit (raise :class:`AcquireTimeout`), release on exit."""
+        """Context manager: block for a permit (raise :class:`AcquireTimeout`), release on exit.
+
+        Nothing renews the lease unless ``keep_alive`` is set: then the process's heartbeat
+        thread (the one Celery tasks use) refreshes it every lease/3 while the block runs. If
+        the permit was lost by the time the block ends (its lease ran out, or an operator
+        released it), leaving the block raises :class:`PermitLost`, unless the block is
+        already raising.
+        """
         permit = self.acquire(blocking=True, timeout=timeout, permit_id=permit_id)
         if permit is None:
             raise AcquireTimeout(
@@ -333,10 +352,29 @@ class FairSemaphore:
                 name=self.name,
                 permit_id=permit_id,
             )
+        held = self._keep_alive(permit) if keep_alive else None
+        released = False
         try:
             yield permit
         finally:
-            self.release(permit)
+            if held is not None:
+                held[0].untrack(held[1])  # before the release, so it is not reported lost
+            released = self.release(permit)
+        if not released or (held is not None and held[1].lost):
+            raise PermitLost(
+                f"permit {permit.id!r} of {self.name!r} was lost before the block ended (lease "
+                f"{self.lease}s{'' if keep_alive else ' with no keep_alive'})",
+                name=self.name,
+                permit_id=permit.id,
+            )
+
+    def _keep_alive(self, permit: Permit) -> tuple[Heartbeat, HeldPermit]:
+        """Have this process's heartbeat thread refresh ``permit`` until untracked."""
+        from .heartbeat import HeldPermit, get_heartbeat  # heartbeat imports this module
+
+        heartbeat = get_heartbeat()
+        held = HeldPermit(permit, self.client, idle_ttl=self.idle_ttl, task_name=repr(self))
+        return heartbeat, heartbeat.track(held)
 
     def _poll_cap(self) -> float:
         """The longest wake-up wait (BLPOP) that stays clear of the client's socket timeout."""

@@ -19,9 +19,11 @@ from celery_redsem import (
     FairSemaphore,
     Lock,
     Permit,
+    PermitLost,
     Waiting,
     refresh_permits,
 )
+from celery_redsem.heartbeat import get_heartbeat
 from celery_redsem.keys import SemaphoreKeys
 from tests.servers import ENV_URL, ServerProcess, wait_until
 
@@ -344,6 +346,71 @@ def test_hold_releases_on_exit_and_raises_on_timeout(redis_client, prefix):
         with pytest.raises(AcquireTimeout, match="sem"), sem.hold(timeout=0.1):
             pass
     assert sem.holders() == []
+
+
+def hold_past_the_lease(
+    sem: FairSemaphore, client: redis.Redis, error: Exception | None = None
+) -> None:
+    """Hold a permit in ``sem.hold()`` until its lease ran out and somebody else took it; then
+    leave the block normally, or by raising ``error``."""
+    with sem.hold() as permit:
+        wait_until(
+            lambda: server_ms(client) > permit.expires_at, timeout=5, what="the lease to run out"
+        )
+        assert sem.acquire() is not None
+        if error is not None:
+            raise error
+
+
+def test_hold_raises_permit_lost_when_the_lease_ran_out_in_the_block(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.3)
+    with pytest.raises(PermitLost, match="lost before the block ended"):
+        hold_past_the_lease(sem, redis_client)
+
+
+def test_hold_does_not_hide_the_blocks_own_error_behind_permit_lost(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.3)
+    with pytest.raises(KeyError, match="from the block"):
+        hold_past_the_lease(sem, redis_client, KeyError("from the block"))
+
+
+def test_hold_keep_alive_keeps_a_short_lease_for_a_long_block(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.6)
+    with sem.hold(keep_alive=True) as permit:
+        wait_until(
+            lambda: server_ms(redis_client) > permit.expires_at + 1200,
+            timeout=10,
+            what="two leases to pass",
+        )
+        assert sem.acquire() is None  # still ours
+        [holder] = sem.holders()
+        assert (holder.permit_id, holder.token) == (permit.id, permit.token)
+        assert holder.expires_at > permit.expires_at  # renewed
+    assert sem.holders() == []
+    assert get_heartbeat().held() == []  # the heartbeat stopped tracking it
+
+
+def test_hold_keep_alive_raises_permit_lost_after_a_force_release(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=0.6)
+
+    def force_released_in_the_block() -> None:
+        with sem.hold(keep_alive=True) as permit:
+            assert sem.release(permit.id)  # what an operator's force release does
+            wait_until(lambda: sem.acquire() is not None, timeout=5, what="a new holder")
+
+    with pytest.raises(PermitLost):
+        force_released_in_the_block()
+
+
+@pytest.mark.parametrize("timeout", [-1, -0.5, float("nan")])
+def test_blocking_acquire_rejects_a_negative_timeout(redis_client, prefix, timeout):
+    sem = make(redis_client, prefix, limit=1)
+    with pytest.raises(ConfigurationError, match="timeout must be >= 0"):
+        sem.acquire(blocking=True, timeout=timeout)
+    with pytest.raises(ConfigurationError, match="timeout must be >= 0"), sem.hold(timeout):
+        pass
+    assert sem.holders() == []
+    assert sem.waiters() == []
 
 
 @pytest.mark.parametrize(
