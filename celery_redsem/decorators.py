@@ -58,6 +58,12 @@ def with_semaphore(
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         _refuse_a_task(fn)
+        if not callable(fn):
+            raise ConfigurationError(
+                f"@with_semaphore / @with_lock decorates a function, got {fn!r}: was it written "
+                "without its arguments? Write @with_lock(key=...) or "
+                "@with_semaphore(limit=..., key=...)"
+            )
         guard = TaskGuard(
             fn,
             limit=limit,
@@ -73,6 +79,9 @@ def with_semaphore(
             return result
 
         setattr(guarded, _GUARD_ATTR, guard)
+        # Celery checks a call's arguments against the task's signature when it is sent
+        # (``Task.typing``), reading it with getfullargspec, which ignores ``__wrapped__``.
+        guarded.__signature__ = guard.signature  # type: ignore[attr-defined]
         return guarded
 
     return decorate

@@ -136,7 +136,7 @@ class TaskGuard:
                 f"got {lost_lease_policy!r}"
             )
         self.lost_lease_policy = lost_lease_policy
-        self._signature = inspect.signature(fn)
+        self.signature = inspect.signature(fn)
         self.key = key
         self._key_names: list[str] | None = None  # None: the key takes **kwargs
         if isinstance(key, str):
@@ -157,7 +157,7 @@ class TaskGuard:
             params = inspect.signature(key).parameters
         except (TypeError, ValueError) as exc:
             raise ConfigurationError(f"cannot inspect key function of {where}: {exc}") from None
-        task_params = self._signature.parameters
+        task_params = self.signature.parameters
         task_takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in task_params.values())
         names: list[str] = []
         for p in params.values():
@@ -173,7 +173,7 @@ class TaskGuard:
             if p.name not in task_params and not task_takes_kwargs and p.default is p.empty:
                 raise ConfigurationError(
                     f"key function {_describe(key)} of {where} asks for {p.name!r}, which is not "
-                    f"a parameter of {where}{self._signature}"
+                    f"a parameter of {where}{self.signature}"
                 )
             names.append(p.name)
         return names
@@ -185,11 +185,17 @@ class TaskGuard:
         if isinstance(self.key, str):
             return self.key
         key = self.key
-        bound = self._signature.bind(*args, **kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(
+                f"task {task_name} was called with arguments that do not fit "
+                f"{_describe(self.fn)}{self.signature}: {exc}"
+            ) from None
         bound.apply_defaults()
         named: dict[str, Any] = {}
         for pname, value in bound.arguments.items():
-            if self._signature.parameters[pname].kind is inspect.Parameter.VAR_KEYWORD:
+            if self.signature.parameters[pname].kind is inspect.Parameter.VAR_KEYWORD:
                 named.update(value)
             else:
                 named[pname] = value

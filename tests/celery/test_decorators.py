@@ -97,3 +97,42 @@ def test_key_with_kwargs_gets_everything() -> None:
         with_semaphore(2, key=lambda account_id: None)(buy_item).__redsem_guard__.name_for(
             "t", (None, 1, 2), {}
         )  # type: ignore[attr-defined]
+
+
+def test_celery_checks_the_arguments_of_a_guarded_task_when_it_is_sent() -> None:
+    # Task.typing: a call that does not fit the signature fails at send time, before any
+    # broker is contacted, as it would without the guard.
+    app = Celery(set_as_current=False, broker="memory://")
+
+    @app.task(shared=False)
+    @with_lock(key=lambda report_id: f"report:{report_id}")
+    def build(report_id: int, pages: int) -> None: ...
+
+    with pytest.raises(TypeError, match="pages"):
+        build.apply_async(args=(1,))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        build.apply_async(args=(1, 2), kwargs={"colour": "red"})
+
+
+def test_arguments_that_do_not_fit_name_the_task_when_the_key_is_worked_out() -> None:
+    (guard,) = guards_of(
+        type("T", (), {"run": staticmethod(with_lock(key=lambda item_id: "k")(buy_item))})()
+    )
+    with pytest.raises(TypeError, match=r"task shop\.buy was called with arguments .*buy_item"):
+        guard.name_for("shop.buy", (None, 1), {})
+
+
+@pytest.mark.parametrize("decorator", [with_lock, functools.partial(with_semaphore, 2)])
+def test_a_guard_written_without_its_arguments_says_so_when_the_task_runs(
+    decorator: Any,
+) -> None:
+    # ``@with_lock`` with no parentheses takes the function as its key and returns a bare
+    # decorator, which @app.task registers as the task: its first call says what happened.
+    app = Celery(set_as_current=False)
+
+    @app.task(shared=False)
+    @decorator
+    def build(report_id: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"without its arguments\? Write @with_lock"):
+        build(7)
