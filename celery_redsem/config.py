@@ -28,7 +28,7 @@ from celery.local import Proxy
 from .clients import client_from_url, redact_url
 from .errors import ConfigurationError
 from .keys import DEFAULT_PREFIX, validate_prefix
-from .semaphore import DEFAULT_IDLE_TTL, DEFAULT_LEASE, RedisClient
+from .semaphore import DEFAULT_IDLE_TTL, DEFAULT_LEASE, DEFAULT_REPLICA_TIMEOUT, RedisClient
 
 __all__ = [
     "DEFAULT_REDIS_OPTIONS",
@@ -123,6 +123,16 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds an eager (task_always_eager / apply) call blocks for a permit.",
     ),
     Setting(
+        "redsem_min_replicas",
+        0,
+        "Replicas that must acknowledge a grant (WAIT) before a task runs on it; 0: no WAIT.",
+    ),
+    Setting(
+        "redsem_replica_timeout",
+        DEFAULT_REPLICA_TIMEOUT,
+        "Seconds a grant waits for its replica acknowledgements (with redsem_min_replicas).",
+    ),
+    Setting(
         "redsem_check_eviction_policy",
         True,
         "Warn at worker start if Redis' maxmemory-policy could evict semaphore keys.",
@@ -155,6 +165,8 @@ class RedsemConfig:
     max_wait: float | None = 3600.0
     lost_lease_policy: str = "log"
     eager_timeout: float = 30.0
+    min_replicas: int = 0
+    replica_timeout: float = DEFAULT_REPLICA_TIMEOUT
     check_eviction_policy: bool = True
 
     def require_redis_url(self) -> str:
@@ -188,6 +200,8 @@ class RedsemConfig:
             max_wait=read.seconds("redsem_max_wait", none_ok=True),
             lost_lease_policy=read.choice("redsem_lost_lease_policy", LOST_LEASE_POLICIES),
             eager_timeout=read.seconds("redsem_eager_timeout", zero_ok=True),
+            min_replicas=read.count("redsem_min_replicas"),
+            replica_timeout=read.seconds("redsem_replica_timeout"),
             check_eviction_policy=read.boolean("redsem_check_eviction_policy"),
         )
 
@@ -224,6 +238,12 @@ class _Reader:
         if value < 0 or (value == 0 and not zero_ok):
             raise self._fail(name, expected, value)
         return float(value)
+
+    def count(self, name: str) -> int:
+        value = self.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self._fail(name, "an int >= 0", value)
+        return value
 
     def boolean(self, name: str) -> bool:
         value = self.get(name)

@@ -237,6 +237,8 @@ class TaskGuard:
             lease=self.lease or config.lease,
             idle_ttl=config.idle_ttl,
             prefix=config.key_prefix,
+            min_replicas=config.min_replicas,
+            replica_timeout=config.replica_timeout,
         )
 
     # -- running -----------------------------------------------------------------------------

@@ -96,6 +96,10 @@ def test_a_client_option_or_url_redis_py_rejects_fails_before_any_task(
         ("redsem_lost_lease_policy", "panic", "'log' or 'raise'"),
         ("redsem_redis_options", ["socket_timeout"], "dict"),
         ("redsem_key_prefix", "a{b}", "non-empty str"),
+        ("redsem_min_replicas", -1, "an int >= 0"),
+        ("redsem_min_replicas", True, "an int >= 0"),
+        ("redsem_min_replicas", 1.5, "an int >= 0"),
+        ("redsem_replica_timeout", 0, "number of seconds > 0"),
     ],
 )
 def test_bad_settings_name_the_setting(name: str, value: object, fragment: str) -> None:

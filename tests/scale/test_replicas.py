@@ -8,9 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from celery.contrib.testing.worker import start_worker
 
-from celery_redsem import FairSemaphore, Lock, Permit, Waiting, read_state
+from celery_redsem import BackendError, FairSemaphore, Lock, Permit, Waiting, read_state
+from celery_redsem.config import get_client
 from celery_redsem.errors import ConfigurationError, NotEnoughReplicas
+from tests.celery.conftest import close_app
+from tests.celery.tasks import make_app
 from tests.servers import Replicated, primary_with_replica, wait_until
 
 pytestmark = pytest.mark.slow
@@ -149,3 +153,36 @@ def test_bad_replica_options_are_configuration_errors(redis_client):
         FairSemaphore(redis_client, "x", 1, min_replicas=True)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="replica_timeout"):
         FairSemaphore(redis_client, "x", 1, min_replicas=1, replica_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("min_replicas", "outcome"),
+    [(1, "SUCCESS"), (2, "FAILURE")],
+)
+def test_celery_tasks_take_min_replicas_from_the_settings(
+    replicated, scale_prefix, min_replicas, outcome
+):
+    # The primary has one replica: a task asking for one acknowledgement runs; a task asking
+    # for two is retried (NotEnoughReplicas is a BackendError) until its wait budget is spent,
+    # then fails saying why, and no grant is left behind.
+    app = make_app(
+        replicated.primary.url,
+        scale_prefix,
+        redsem_min_replicas=min_replicas,
+        redsem_replica_timeout=0.2,
+        redsem_max_wait=1.0,
+    )
+    try:
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            result = app.tasks["t.locked"].delay("acked-task")
+            if outcome == "SUCCESS":
+                assert result.get(timeout=15)["name"] == "locked:acked-task"
+            else:
+                with pytest.raises(BackendError, match=r"min_replicas=2 .* 1 replica"):
+                    result.get(timeout=15)
+            assert result.state == outcome
+        state = read_state(get_client(app), "locked:acked-task", prefix=scale_prefix)
+        assert state.holders == []
+        assert state.waiters == []
+    finally:
+        close_app(app)
