@@ -384,9 +384,14 @@ def get_client(app: Celery) -> RedisClient:
         client = client_from_url(url, **config.redis_options)
     except (TypeError, ValueError) as exc:  # ConfigurationError included: say where it came from
         where = f"{redact_url(url)!r} (from {config.redis_url_source})"
+        own_options = sorted(
+            name
+            for name, value in config.redis_options.items()
+            if DEFAULT_REDIS_OPTIONS.get(name, _UNSET) != value
+        )
+        with_options = f" with redsem_redis_options {own_options}" if own_options else ""
         raise ConfigurationError(
-            f"cannot build a Redis client for {where} with redsem_redis_options "
-            f"{sorted(config.redis_options)}: {exc}"
+            f"cannot build a Redis client for {where}{with_options}: {exc}"
         ) from exc
     with _lock:
         cached = _clients.get(app)
