@@ -18,8 +18,11 @@ fetching tasks it can run; at most a window's worth (concurrency x prefetch mult
 the worker reserves at most twice its window however long the line. A parked task stays
 reserved by the worker, unacknowledged: if the worker stops or loses its broker connection,
 the broker delivers the message again (a parked task from a lost connection is dropped, never
-run twice). Its total wait counts toward ``redsem_max_wait``; once that is
-spent it goes to a child, which fails it with :class:`~celery_redsem.AcquireTimeout`.
+run twice). One delivery stays parked for at most :data:`MAX_PARKED` seconds, and at most
+half the broker's ``visibility_timeout``: then it goes to a child, which retries it through
+the broker (acknowledging this message) before the broker could deliver it a second time. Its
+total wait counts toward ``redsem_max_wait``; once that is spent it goes to a child, which
+fails it with :class:`~celery_redsem.AcquireTimeout`.
 
 Anything unusual hands the task to the child unchanged, which then waits or retries as
 :mod:`celery_redsem.task_guard` describes: pools without a slot semaphore (solo, threads,
@@ -70,6 +73,8 @@ MAX_PARK = 1.0
 FIRST_PARK = 0.01
 #: A parked task asks again a little before its turn is expected.
 EARLY = 0.8
+#: Seconds one delivery of a task may stay parked; then its child retries it through the broker.
+MAX_PARKED = 60.0
 
 
 def park_time(*, position: int, limit: int, hold: float | None, tries: int) -> float:
@@ -93,6 +98,7 @@ class _Parked:
     first_ms: int  # server ms when its wait began
     tries: int
     connection: Any  # the consumer's broker connection when it was parked
+    parked_at: float  # monotonic time this delivery was first parked
     timer: Any = None
     qos: Any = None  # the consumer's prefetch window it widened, if it did
 
@@ -194,12 +200,29 @@ class Admission:
                 _stamp_wait(req, first_ms)
                 return None
             park = min(park, max(MIN_PARK, max_wait - waited))
+        parked_at = earlier.parked_at if earlier is not None else asked
+        parked_for = asked - parked_at
+        longest = self._longest_park()
+        if parked_for >= longest:  # the child retries it: a new message, this one acknowledged
+            _stamp_wait(req, first_ms)
+            return None
+        park = min(park, max(MIN_PARK, longest - parked_for))
         asked = time.monotonic()
         again = _attempt(sem, req.id, waiter_lease=park + config.waiter_margin, back_in=park)
         if isinstance(again, Permit):
             return again, asked
-        self._park(_Parked(req, name, again.position, first_ms, tries, None), park)
+        self._park(_Parked(req, name, again.position, first_ms, tries, None, parked_at), park)
         return None
+
+    def _longest_park(self) -> float:
+        """How long one delivery may stay parked (unacknowledged): :data:`MAX_PARKED`, and at
+        most half the broker's ``visibility_timeout`` (Redis, SQS), after which the broker
+        would deliver the message again and a second copy of the task would run."""
+        options = self.app.conf.broker_transport_options or {}
+        visibility = options.get("visibility_timeout")
+        if isinstance(visibility, bool) or not isinstance(visibility, int | float):
+            return MAX_PARKED
+        return min(MAX_PARKED, visibility / 2) if visibility > 0 else MAX_PARKED
 
     def _may_widen_window(self) -> bool:
         """Whether parking one more task may widen the prefetch window (by one, as an ETA task

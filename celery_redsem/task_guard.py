@@ -251,6 +251,12 @@ class TaskGuard:
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
         name = self.name_for(task_name, args, kwargs)
+        outer = _current.get()
+        if outer is not None and outer.name == name and outer.permit.prefix == config.key_prefix:
+            # Re-entrant: this thread's running task holds this semaphore already, and this
+            # call runs inside it (a task calling itself, or another task on the same key,
+            # synchronously; an eager .delay() in a task body). The outer permit covers it.
+            return self.fn(*args, **kwargs)
         request = task.request if task is not None and ours else None
         started = time.monotonic()
         confirmed_at: float | None = None  # when the lease surely had not started yet
@@ -268,9 +274,13 @@ class TaskGuard:
                     task, request, name, config, wait, error=exc, started=started
                 )
             handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
-            if handed is not None:  # granted in the worker's main process (admission)
-                permit, confirmed_at = handed
+            if handed is not None and time.monotonic() - handed[1] <= sem.lease / 3:
+                permit, confirmed_at = handed  # granted in the main process, moments ago
             else:
+                # No grant, or one that waited for this child longer than the heartbeat
+                # would have let it (a child slow to start): its lease may have run out and
+                # the permit gone to another task. Asking again under the task id renews it
+                # if it is still held.
                 permit = self._attempt_or_retry(task, request, sem, config)
         # From the grant on, every way out releases: nothing may run between it and the try.
         heartbeat = get_heartbeat()

@@ -15,7 +15,7 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
-from celery_redsem import current_permit, with_lock, with_semaphore
+from celery_redsem import current_permit, read_state, with_lock, with_semaphore
 from celery_redsem.task_guard import WAIT_HEADER
 
 _ENTER = """
@@ -105,6 +105,28 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
         request = locked.request
         counted_body(key, request.id or "direct", seconds)
         return describe(request)
+
+    @app.task(shared=False, bind=True, name="t.nested", max_retries=0)
+    @with_lock(key=lambda key: f"nested:{key}")
+    def nested(self: Any, key: str, how: str) -> dict[str, Any]:
+        """Calls a task on its own key synchronously: itself, or ``locked_too`` (``how``)."""
+        if how == "itself":
+            inner = self(key, "inner")
+        elif how == "delay":  # runs inline in eager mode
+            inner = locked_too.delay(key).get(disable_sync_subtasks=False)
+        else:
+            inner = None
+        state = read_state(counter(), f"nested:{key}", prefix=prefix)
+        return {
+            "id": self.request.id,
+            "inner": inner,
+            "holders": [h.permit_id for h in state.holders],
+        }
+
+    @app.task(shared=False, name="t.locked_too", max_retries=0)
+    @with_lock(key=lambda key: f"nested:{key}")
+    def locked_too(key: str) -> str:
+        return "ran"
 
     @app.task(shared=False, bind=True, name="t.until_killed")
     @with_lock(key=lambda key: f"killed:{key}", lease=10.0)

@@ -237,3 +237,92 @@ def test_a_forged_grant_header_is_dropped_at_dispatch(
     app: Celery, admitting_workers: list[WorkerProcess], key: str
 ) -> None:
     forged_grant_runs_nothing(app, key)
+
+
+def _runs(app: Celery, key: str) -> int:
+    """How many bodies of ``t.locked`` / ``t.counted`` started for ``key`` (see tasks.py)."""
+    log = _counter(app).lrange(f"{app.conf.redsem_key_prefix}:t:log:{key}", 0, -1)
+    return sum(1 for entry in log if entry.startswith(b"start "))
+
+
+@pytest.mark.slow
+def test_a_long_parked_task_is_retried_before_the_broker_would_deliver_it_again(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # A parked message is unacknowledged: held past the broker's visibility timeout it would
+    # be delivered again, and both copies (one task id, so one permit) would run. Parking
+    # stops at half that timeout: the child retries the task, which acknowledges the message.
+    queue = f"vis-{key}"
+    sem, blocker = blocked(app, f"locked:{key}")
+    transport = {"global_keyprefix": f"{module_prefix}:kombu:", "visibility_timeout": 2}
+    with running_workers(
+        redis_url,
+        module_prefix,
+        tmp_path,
+        ["vis"],
+        1,
+        "-Q",
+        queue,
+        broker_transport_options=transport,
+    ) as (proc,):
+        result = app.tasks["t.locked"].apply_async((key,), queue=queue)
+        received = f"t.locked[{result.id}] received"
+        wait_until(
+            lambda: proc.log().count(received) >= 4,
+            timeout=30,
+            what="the task to be retried through the broker three times",
+        )
+        assert not result.ready()
+        sem.release(blocker)
+        assert result.get(timeout=20)["contention_retries"] >= 2
+        inspect = app.control.inspect(timeout=1.0, destination=[f"vis@{socket.gethostname()}"])
+        wait_until(
+            lambda: result.id not in _task_ids(inspect.reserved()) | _task_ids(inspect.active()),
+            timeout=20,
+            what="no copy of the task left in the worker",
+        )
+        assert _runs(app, key) == 1
+
+
+@pytest.mark.slow
+def test_a_grant_that_waited_for_a_slow_child_is_asked_for_again(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # The main process grants at dispatch; a replacement child that takes longer than a lease
+    # to start gets a grant that nothing refreshed meanwhile, which may have gone to somebody
+    # else. The child asks again instead of running on it.
+    queue = f"slow-{key}"
+    sem = holder(app, f"locked:{key}", lease=30.0)
+    with running_workers(
+        redis_url,
+        module_prefix,
+        tmp_path,
+        ["slow"],
+        1,
+        "-Q",
+        queue,
+        "--max-tasks-per-child=1",
+        test_child_init_sleep=2.5,
+        redsem_lease=1.0,
+    ):
+        app.tasks["t.locked"].apply_async((key,), queue=queue).get(timeout=30)  # child 1 ends
+        result = app.tasks["t.locked"].apply_async((key,), queue=queue)  # for child 2, starting
+        wait_until(
+            lambda: [h.permit_id for h in sem.state().holders] == [result.id],
+            timeout=10,
+            what="the grant made at dispatch",
+        )
+        granted = sem.state().holders[0]
+        wait_until(lambda: sem.state().now_ms > granted.expires_at, timeout=10, what="it to expire")
+        other = sem.acquire()
+        assert other is not None  # the lock went to somebody else meanwhile
+        wait_until(
+            lambda: result.id in [w.permit_id for w in sem.state().waiters] or result.ready(),
+            timeout=20,
+            what="the child to start and ask again",
+        )
+        assert not result.ready()  # it did not run on the expired grant
+        sem.release(other)
+        out = result.get(timeout=30)
+        assert out["token"] > other.token
+        assert _runs(app, key) == 2

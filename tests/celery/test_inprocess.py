@@ -12,7 +12,7 @@ import redis
 from celery import Celery
 from celery.signals import task_postrun, task_retry
 
-from celery_redsem import AcquireTimeout, KeyFunctionError
+from celery_redsem import AcquireTimeout, KeyFunctionError, read_state
 from celery_redsem.task_guard import WAIT_HEADER
 from tests.celery.conftest import blocked, close_app, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
@@ -227,6 +227,48 @@ def test_eager_mode_blocks_for_a_bounded_time(redis_url: str, module_prefix: str
     assert eager.tasks["t.locked"].run(key)["name"] == f"locked:{key}"
     assert sem.state().holders == []
     close_app(eager)
+
+
+def test_a_task_calling_itself_runs_inside_its_own_permit(
+    app: Celery, worker: object, key: str
+) -> None:
+    # The nested call inherits the request (same task id): it must neither wait for the
+    # permit its caller holds nor give it back when it returns.
+    out = app.tasks["t.nested"].delay(key, "itself").get(timeout=10)
+    assert out["inner"]["holders"] == [out["id"]]
+    assert out["holders"] == [out["id"]]  # still held after the inner call returned
+    assert (
+        read_state(
+            redis.Redis.from_url(app.conf.broker_url),
+            f"nested:{key}",
+            prefix=app.conf.redsem_key_prefix,
+        ).holders
+        == []
+    )
+
+
+def test_an_eager_call_on_the_key_its_caller_holds_runs_inside_the_callers_permit(
+    redis_url: str, module_prefix: str, key: str
+) -> None:
+    # In a worker the inner task would queue and run after its caller; run inline (eager),
+    # waiting for the caller's own permit could only time out.
+    from tests.celery.tasks import make_app
+
+    eager = make_app(redis_url, module_prefix, task_always_eager=True, redsem_eager_timeout=5)
+    try:
+        started = time.monotonic()
+        out = eager.tasks["t.nested"].delay(key, "delay").get()
+        assert out["inner"] == "ran"
+        assert time.monotonic() - started < 4  # not redsem_eager_timeout
+        assert len(out["holders"]) == 1
+        assert (
+            read_state(
+                redis.Redis.from_url(redis_url), f"nested:{key}", prefix=module_prefix
+            ).holders
+            == []
+        )
+    finally:
+        close_app(eager)
 
 
 def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worker: object) -> None:
