@@ -155,6 +155,20 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
             time.sleep(0.05)
         return "survived"
 
+    @app.task(shared=False, bind=True, name="t.ignores_exit")
+    @with_lock(key=lambda key: f"stubborn:{key}", lease=10.0)
+    def ignores_exit(self: Any, key: str) -> str:
+        """Swallows the SystemExit a SIGTERM raises in a pool child: only SIGKILL ends it, so
+        only the worker's main process can free its permit before the lease runs out."""
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)
+            except SystemExit:
+                counter().set(f"{prefix}:t:ignored:{key}", 1)
+        return "survived"
+
     @app.task(shared=False, bind=True, name="t.survives_signal")
     @with_lock(key=lambda key: f"survivor:{key}", lease=10.0)
     def survives_signal(self: Any, key: str) -> str:
@@ -166,7 +180,8 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
                 time.sleep(0.05)
         except SoftTimeLimitExceeded:
             counter().set(f"{prefix}:t:cleaning:{key}", 1)
-            time.sleep(1.5)  # the body's own slow cleanup: it still holds the lock
+            # The body's own slow cleanup, until the test lets it end: it still holds the lock.
+            counter().blpop([f"{prefix}:t:cleaned:{key}"], timeout=20)
             counter().delete(f"{prefix}:t:cleaning:{key}")
         return "cleaned up"
 

@@ -57,6 +57,20 @@ def _pid(app: Celery, key: str) -> int:
     return int(value)
 
 
+def _released_by_main_process(workers: list[WorkerProcess], task_id: str) -> bool:
+    """Whether a worker's main process logged releasing ``task_id``'s permit for its child
+    (waiting a moment for the line: it is logged just after the release)."""
+    try:
+        wait_until(
+            lambda: any(f"[{task_id}] for its lost child" in proc.log() for proc in workers),
+            2,
+            what="the main process's release in the log",
+        )
+    except AssertionError:
+        return False
+    return True
+
+
 def test_limit_is_never_exceeded_across_workers(app: Celery, workers: list[WorkerProcess]) -> None:
     keys = ["alpha", "beta"]
     results = [app.tasks["t.counted"].delay(keys[i % 2], 0.15) for i in range(40)]
@@ -73,41 +87,48 @@ def test_limit_is_never_exceeded_across_workers(app: Celery, workers: list[Worke
         assert state.waiters == []
 
 
-def test_sigkill_of_a_child_frees_its_permit(
+def test_sigkill_of_a_child_frees_its_permit_from_the_main_process(
     app: Celery, workers: list[WorkerProcess], key: str
 ) -> None:
-    result = app.tasks["t.until_killed_short_lease"].delay(key)  # lease 1 s
+    result = app.tasks["t.until_killed"].delay(key)  # lease 10 s: only a release frees it soon
     pid = _pid(app, key)
     sem = holder(app, f"killed:{key}")
     assert [h.permit_id for h in sem.state().holders] == [result.id]
-    os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: sem.state().holders == [], 2.5, what="permit freed")  # a lease + margin
+    os.kill(pid, signal.SIGKILL)  # the child can run nothing: the main process releases
+    wait_until(lambda: sem.state().holders == [], 8, what="permit freed")
+    assert _released_by_main_process(workers, result.id)
     with pytest.raises(WorkerLostError):  # and the main process saw the loss
         result.get(timeout=15)
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_revoke_with_terminate_frees_the_permit(
-    app: Celery, workers: list[WorkerProcess], key: str
+    app: Celery, workers: list[WorkerProcess], key: str, sig: str
 ) -> None:
+    # SIGTERM: the child's own finally releases; SIGKILL: the main process, on Terminated.
     result = app.tasks["t.until_killed"].delay(key)
     _pid(app, key)
     sem = holder(app, f"killed:{key}")
     assert [h.permit_id for h in sem.state().holders] == [result.id]
-    result.revoke(terminate=True)
-    wait_until(lambda: sem.state().holders == [], 3, what="permit freed")  # lease is 10 s
+    result.revoke(terminate=True, signal=sig)
+    # billiard reports a SIGKILLed job a few seconds later; either way, well within the lease.
+    wait_until(lambda: sem.state().holders == [], 8, what="permit freed")  # lease is 10 s
+    assert _released_by_main_process(workers, result.id) is (sig == "SIGKILL")
     wait_until(lambda: result.state == "REVOKED", 10, what="revoked")
 
 
 def test_revoke_with_terminate_frees_the_permit_of_an_autoretry_task(
     app: Celery, workers: list[WorkerProcess], key: str
 ) -> None:
-    # autoretry_for replaces task.run; the main process must still find the bound arguments.
+    # autoretry_for replaces task.run; the main process must still find the bound arguments
+    # (SIGKILL: the child cannot release it itself).
     result = app.tasks["t.autoretry_killed"].delay(key)
     _pid(app, key)
     sem = holder(app, f"auto:{key}")
     assert [h.permit_id for h in sem.state().holders] == [result.id]
-    result.revoke(terminate=True)
-    wait_until(lambda: sem.state().holders == [], 3, what="permit freed")  # lease is 10 s
+    result.revoke(terminate=True, signal="SIGKILL")
+    wait_until(lambda: sem.state().holders == [], 8, what="permit freed")  # lease is 10 s
+    assert _released_by_main_process(workers, result.id)
 
 
 def test_a_child_that_survives_the_terminate_signal_keeps_its_permit(
@@ -120,6 +141,7 @@ def test_a_child_that_survives_the_terminate_signal_keeps_its_permit(
     result.revoke(terminate=True, signal="SIGUSR1")  # a soft time limit in the child
     wait_until(lambda: _counter(app).exists(cleaning), 10, what="the body to start cleaning up")
     assert [h.permit_id for h in sem.state().holders] == [result.id]  # still its own
+    _counter(app).rpush(f"{app.conf.redsem_key_prefix}:t:cleaned:{key}", 1)  # cleanup may end
     wait_until(lambda: not _counter(app).exists(cleaning), 10, what="the cleanup to end")
     wait_until(lambda: sem.state().holders == [], 3, what="released by the child")
 
@@ -181,12 +203,16 @@ def test_cold_shutdown_frees_the_permit_from_the_main_process(
     cold = WorkerProcess(redis_url, module_prefix, "cold", 1, tmp_path / "cold.log", "-Q", "cold")
     try:
         cold.wait_ready()
-        result = app.tasks["t.until_killed"].apply_async((key,), queue="cold")
+        # A body that survives the SIGTERM of a cold shutdown cannot release: the main process
+        # kills its child, then releases, before the worker exits.
+        result = app.tasks["t.ignores_exit"].apply_async((key,), queue="cold")
         _pid(app, key)
-        sem = holder(app, f"killed:{key}")
+        sem = holder(app, f"stubborn:{key}")
         assert [h.permit_id for h in sem.state().holders] == [result.id]
         cold.signal(signal.SIGQUIT)
         wait_until(lambda: sem.state().holders == [], 5, what="permit freed")  # lease is 10 s
+        wait_until(lambda: not cold.alive(), 15, what="the worker to exit")
+        assert "released the permit of t.ignores_exit" in cold.log()
     finally:
         cold.stop()
 
