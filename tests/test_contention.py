@@ -6,13 +6,16 @@ DECR right before the release) and reports the highest count it saw.
 
 from __future__ import annotations
 
+import ast
 import multiprocessing
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis
 
+import celery_redsem
 from celery_redsem import FairSemaphore
 
 LIMIT = 3
@@ -87,3 +90,25 @@ def test_clients_with_skewed_clocks_get_equal_shares(redis_url):
     assert total > 400
     assert 0.4 <= skewed / total <= 0.6
     assert max(highest for _, _, highest in results) <= LIMIT
+
+
+_WALL_CLOCK = {
+    "time": {"time", "time_ns", "localtime", "gmtime", "ctime", "asctime"},
+    "datetime": {"now", "utcnow", "today", "datetime", "date"},
+    "date": {"today"},
+}
+
+
+def test_the_package_never_reads_the_local_wall_clock():
+    # The skew test above can pass only because nothing here looks at the local wall clock:
+    # leases and order come from the server's TIME, waits from time.monotonic. Keep it so.
+    found = []
+    for path in sorted(Path(celery_redsem.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.attr in _WALL_CLOCK.get(node.value.id, ()):
+                    found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module in _WALL_CLOCK:
+                names = {alias.name for alias in node.names} & _WALL_CLOCK[node.module]
+                found += [f"{path.name}:{node.lineno} from {node.module} import {n}" for n in names]
+    assert found == []

@@ -149,7 +149,7 @@ def server_ms(client: redis.Redis) -> int:
 
 
 def test_refresh_extends_a_held_permit(redis_client, prefix):
-    sem = make(redis_client, prefix, lease=0.3)
+    sem = make(redis_client, prefix, lease=1.0)  # refreshed every 50 ms
     first = sem.acquire()
     assert first is not None
     permit = first

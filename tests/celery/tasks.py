@@ -235,8 +235,12 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     @app.task(shared=False, bind=True, name="t.fifo")
     @with_lock(key=lambda key, tag: f"fifo:{key}")
     def fifo(self: Any, key: str, tag: str, seconds: float = 0.0) -> dict[str, Any]:
+        """Holds ``seconds``; a negative ``seconds``: until the test pushes to ``t:go:<key>``."""
         counter().rpush(f"{prefix}:t:order:{key}", tag)
-        time.sleep(seconds)
+        if seconds < 0:
+            counter().blpop([f"{prefix}:t:go:{key}"], timeout=20)
+        else:
+            time.sleep(seconds)
         return {"tag": tag, **describe(self.request)}
 
     return app

@@ -63,6 +63,18 @@ def _task_ids(replies: dict[str, list[dict[str, object]]] | None) -> set[str]:
     return {str(task["id"]) for tasks in (replies or {}).values() for task in tasks}
 
 
+def _answered(replies: dict[str, list[dict[str, object]]] | None, nodes: list[str]) -> set[str]:
+    """The task ids in ``replies``, which must hold an answer from every node in ``nodes``
+    (no answer in time would read as "no tasks", and a check on it would pass vacuously)."""
+    assert replies is not None, f"no answer from {nodes}"
+    assert set(nodes) <= set(replies), f"no answer from {set(nodes) - set(replies)}"
+    return _task_ids(replies)
+
+
+def _nodes(names: list[str]) -> list[str]:
+    return [f"{name}@{socket.gethostname()}" for name in names]
+
+
 @pytest.mark.slow
 def test_limit_holds_across_workers_without_contention_retries(
     app: Celery, admitting_workers: list[WorkerProcess], key: str
@@ -85,12 +97,13 @@ def test_a_parked_task_holds_no_slot_and_runs_once_the_permit_frees(
 ) -> None:
     sem, blocker = blocked(app, f"locked:{key}")
     result = app.tasks["t.locked"].delay(key)
-    inspect = app.control.inspect(timeout=1.0)
+    nodes = _nodes(["a0", "a1"])
+    inspect = app.control.inspect(timeout=1.0, destination=nodes)
     wait_until(lambda: result.id in _task_ids(inspect.reserved()), 20, what="task reserved")
     # Parked in a worker's main process: reserved, never handed to a child, in line.
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        assert result.id not in _task_ids(inspect.active())
+        assert result.id not in _answered(inspect.active(), nodes)
     assert [w.permit_id for w in sem.state().waiters] == [result.id]
     # Others run meanwhile, while it stays parked.
     others = [app.tasks["t.counted"].delay(f"{key}-other", 0.1) for _ in range(3)]
@@ -180,7 +193,7 @@ def test_parked_tasks_widen_the_prefetch_window_at_most_by_its_size(
     wait_until(lambda: len(_task_ids(inspect.reserved())) >= 2, 20, what="2 tasks parked")
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:  # parked tasks ask again meanwhile, and re-park
-        reserved = _task_ids(inspect.reserved())
+        reserved = _answered(inspect.reserved(), [one_slot.node])
         assert len(reserved) <= 2, f"{len(reserved)} tasks reserved"
     assert [r.state for r in results] == ["PENDING"] * 6
     sem.release(blocker)
@@ -275,9 +288,13 @@ def test_a_long_parked_task_is_retried_before_the_broker_would_deliver_it_again(
         assert not result.ready()
         sem.release(blocker)
         assert result.get(timeout=20)["contention_retries"] >= 2
-        inspect = app.control.inspect(timeout=1.0, destination=[f"vis@{socket.gethostname()}"])
+        node = _nodes(["vis"])
+        inspect = app.control.inspect(timeout=1.0, destination=node)
         wait_until(
-            lambda: result.id not in _task_ids(inspect.reserved()) | _task_ids(inspect.active()),
+            lambda: (
+                result.id
+                not in _answered(inspect.reserved(), node) | _answered(inspect.active(), node)
+            ),
             timeout=20,
             what="no copy of the task left in the worker",
         )

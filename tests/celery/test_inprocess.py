@@ -86,17 +86,18 @@ def test_tasks_waiting_in_their_slots_are_served_in_line_order(
 
     Limit 1, holds of 0.3 s: ``b`` (position 1) and ``c`` (position 2) expect their permits
     within two rounds, so they wait in their worker slots (no retry) and are served in line
-    order, each woken by the release before it.
+    order, each woken by the release before it. ``a`` holds until both are in line.
     """
     fifo = app.tasks["t.fifo"]
     sem = holder(app, f"fifo:{key}")
     assert fifo.delay(key, "warm", 0.3).get(timeout=10)["tag"] == "warm"  # learns the hold
-    first = fifo.delay(key, "a", 0.3)
+    first = fifo.delay(key, "a", -1)
     wait_until(lambda: [h.permit_id for h in sem.state().holders] == [first.id], 10, what="a")
     later = []
     for tag in "bc":
         later.append(fifo.delay(key, tag, 0.3))
         wait_until(lambda: len(sem.state().waiters) == len(later), 10, what=f"{tag} in line")
+    redis.Redis.from_url(app.conf.broker_url).rpush(f"{app.conf.redsem_key_prefix}:t:go:{key}", 1)
     outs = [r.get(timeout=20) for r in (first, *later)]
     assert [out["tag"] for out in outs] == ["a", "b", "c"]
     assert [out["contention_retries"] for out in outs] == [0, 0, 0]  # waited in their slots

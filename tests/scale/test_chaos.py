@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -132,6 +133,12 @@ def test_redis_killed_and_restarted_empty_under_prefork_workers(
         assert "exited with 'signal" not in logs
         if outage[0] < LEASE:  # errors alone are not loss: no lease declared lost for them
             assert "no refresh succeeded for a whole lease" not in logs
+        else:  # a lease may really have run out: say the check could not run, visibly
+            warnings.warn(
+                f"the outage took {outage[0]:.2f}s, not under the {LEASE}s lease: whether "
+                "errors alone were taken for lost leases was not checked",
+                stacklevel=1,
+            )
 
         after = ["after0", "after1"]
         outs = _successes(_run_tasks(app, after, 24, 0.15))

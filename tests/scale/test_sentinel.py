@@ -215,7 +215,6 @@ def test_killing_the_primary_promotes_the_replica_and_work_resumes(
     ).acquire(permit_id="before-crash")
     assert isinstance(acked, Permit)
     sem = FairSemaphore(sentinel_client, "jobs", 3, lease=3, prefix=scale_prefix)
-    seen: list[int] = []
     with Workload(sem) as load:
         wait_until(lambda: load.done >= 10, 10, what="work before the crash")
         sentinel.primary.kill()  # no shutdown, no goodbye to the replica
@@ -226,13 +225,9 @@ def test_killing_the_primary_promotes_the_replica_and_work_resumes(
             what="Sentinel to promote the replica after the primary died",
         )
         promoted_at = load.done
-
-        def resumed() -> bool:
-            seen.append(len(_holders_on(sentinel.replica, scale_prefix)))
-            return load.done >= promoted_at + 20
-
-        wait_until(resumed, 20, what="work on the new primary")
+        wait_until(lambda: load.done >= promoted_at + 20, 20, what="work on the new primary")
     assert not load.unexpected, load.unexpected
     assert load.errors, "the crash went unnoticed?"
-    assert max(seen) <= 3
+    # (Without min_replicas a crash may lose grants the replica had not received yet: no
+    # limit is checked here; the failover test above checks it with min_replicas.)
     assert "before-crash" in _holders_on(sentinel.replica, scale_prefix)
