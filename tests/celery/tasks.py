@@ -123,6 +123,17 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
             "holders": [h.permit_id for h in state.holders],
         }
 
+    @app.task(shared=False, bind=True, name="t.two_guards", max_retries=0)
+    @with_semaphore(limit=2, key=lambda key: f"outer:{key}")
+    @with_lock(key=lambda key: f"inner:{key}")
+    def two_guards(self: Any, key: str) -> dict[str, Any]:
+        """Holds a permit of two semaphores at once; reports who holds each."""
+        holders = {
+            which: [h.permit_id for h in read_state(counter(), name, prefix=prefix).holders]
+            for which, name in (("outer", f"outer:{key}"), ("inner", f"inner:{key}"))
+        }
+        return {"id": self.request.id, **holders, **describe(self.request)}
+
     @app.task(shared=False, name="t.locked_too", max_retries=0)
     @with_lock(key=lambda key: f"nested:{key}")
     def locked_too(key: str) -> str:

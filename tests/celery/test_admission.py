@@ -343,3 +343,17 @@ def test_a_grant_that_waited_for_a_slow_child_is_asked_for_again(
         out = result.get(timeout=30)
         assert out["token"] > other.token
         assert _runs(app, key) == 2
+
+
+@pytest.mark.slow
+def test_a_task_with_two_guards_goes_to_its_child_and_holds_both(
+    app: Celery, admitting_workers: list[WorkerProcess], key: str
+) -> None:
+    # Admission decides only for one guard; the child asks for both, in order.
+    outs = [r.get(timeout=30) for r in [app.tasks["t.two_guards"].delay(key) for _ in range(3)]]
+    for out in outs:
+        assert out["id"] in out["outer"]
+        assert len(out["outer"]) <= 2  # its limit
+        assert out["inner"] == [out["id"]]
+    assert holder(app, f"outer:{key}", 2).state().holders == []
+    assert holder(app, f"inner:{key}").state().holders == []

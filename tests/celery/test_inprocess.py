@@ -272,6 +272,21 @@ def test_an_eager_call_on_the_key_its_caller_holds_runs_inside_the_callers_permi
         close_app(eager)
 
 
+def test_a_task_with_two_guards_holds_both_and_waits_for_the_busy_one(
+    app: Celery, worker: object, key: str
+) -> None:
+    sem, blocker = blocked(app, f"inner:{key}")
+    result = app.tasks["t.two_guards"].delay(key)
+    wait_until(lambda: result.state == "RETRY", 10, what="a contention retry on the inner lock")
+    sem.release(blocker)
+    out = result.get(timeout=15)
+    assert out["outer"] == [out["id"]]
+    assert out["inner"] == [out["id"]]
+    assert out["contention_retries"] >= 1
+    assert holder(app, f"outer:{key}", 2).state().holders == []
+    assert sem.state().holders == []
+
+
 def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worker: object) -> None:
     from celery.utils.imports import symbol_by_name
 

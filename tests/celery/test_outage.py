@@ -6,17 +6,20 @@ listens on its port), then starts; broker and results stay on the test server th
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.signals import task_retry
 
-from celery_redsem import BackendError
+from celery_redsem import BackendError, FairSemaphore
 from tests.celery.conftest import close_app
 from tests.celery.tasks import make_app
 from tests.servers import ServerProcess, wait_until
@@ -139,3 +142,54 @@ def test_a_refusal_no_retry_can_fix_fails_the_task_at_once(
     finally:
         close_app(app)
         server.kill()
+
+
+def test_a_release_that_cannot_reach_redis_is_logged_and_the_outcome_stands(
+    outage_app: Celery,
+    down_server: ServerProcess,
+    key: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Redis goes away while the body runs: the release fails, the task still succeeds, and
+    # the permit frees itself when its lease ends (here: with the server's data).
+    down_server.start()
+    sem = FairSemaphore(
+        down_server.client(), f"fifo:{key}", 1, prefix=outage_app.conf.redsem_key_prefix
+    )
+    with start_worker(
+        outage_app, pool="threads", concurrency=1, perform_ping_check=False, shutdown_timeout=30
+    ):
+        result = outage_app.tasks["t.fifo"].delay(key, "body", -1)  # holds until told
+        wait_until(lambda: [h.permit_id for h in sem.holders()] == [result.id], 15, what="held")
+        down_server.kill()
+        redis.Redis.from_url(outage_app.conf.broker_url).rpush(
+            f"{outage_app.conf.redsem_key_prefix}:t:go:{key}", 1
+        )
+        with caplog.at_level(logging.WARNING, logger="celery_redsem"):
+            assert result.get(timeout=20)["tag"] == "body"
+            assert result.state == "SUCCESS"
+            wait_until(
+                lambda: f"could not release '{result.id}'" in caplog.text, 10, what="the warning"
+            )
+
+
+def test_an_eager_call_fails_at_once_with_backend_error_when_redis_is_down(
+    redis_url: str, module_prefix: str, down_server: ServerProcess, key: str
+) -> None:
+    eager = make_app(
+        redis_url,
+        f"{module_prefix}:eager-down",
+        redsem_redis_url=down_server.url,
+        task_always_eager=True,
+        redsem_eager_timeout=30,
+    )
+    try:
+        started = time.monotonic()
+        result = eager.tasks["t.locked"].delay(key)
+        with pytest.raises(BackendError, match="Connection refused"):
+            result.get()
+        with pytest.raises(BackendError, match="Connection refused"):
+            eager.tasks["t.locked"](key)  # a direct call
+        assert time.monotonic() - started < 10  # at once, not after redsem_eager_timeout
+    finally:
+        close_app(eager)
