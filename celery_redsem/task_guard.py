@@ -30,10 +30,12 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn, cast
 
 from celery import Celery, Task
@@ -76,6 +78,19 @@ WAIT_HEADER = "redsem_wait"
 KeyFunction = Callable[..., object]
 
 _current: ContextVar[HeldPermit | None] = ContextVar("celery_redsem_permit", default=None)
+
+
+@dataclass(frozen=True)
+class _Entered:
+    """A permit a guarded call holds while its body runs, in the thread running it."""
+
+    held: HeldPermit
+    limit: int
+    thread_id: int
+
+
+#: Every permit held by the guarded calls running in this context, outermost first.
+_entered: ContextVar[tuple[_Entered, ...]] = ContextVar("celery_redsem_entered", default=())
 _GUARD_ATTR = "__redsem_guard__"
 _BLOCK_SLICE = 1.0  # one BLPOP stays well inside the default 2 s socket timeout
 _MIN_POLL = 0.005
@@ -251,11 +266,14 @@ class TaskGuard:
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
         name = self.name_for(task_name, args, kwargs)
-        outer = _current.get()
-        if outer is not None and outer.name == name and outer.permit.prefix == config.key_prefix:
-            # Re-entrant: this thread's running task holds this semaphore already, and this
-            # call runs inside it (a task calling itself, or another task on the same key,
-            # synchronously; an eager .delay() in a task body). The outer permit covers it.
+        outer = self._held_by_caller(name, config.key_prefix)
+        if outer is not None:
+            # Re-entrant: a guarded call running in this thread holds this semaphore already,
+            # and this call runs inside it (a task calling itself, or another task on the same
+            # key, synchronously; an eager .delay() in a task body). Its permit covers this
+            # call, unless it was lost: then nothing covers it.
+            if outer.lost:
+                raise outer.lost_error()
             return self.fn(*args, **kwargs)
         request = task.request if task is not None and ours else None
         started = time.monotonic()
@@ -266,26 +284,12 @@ class TaskGuard:
             permit = self._acquire_blocking(sem, pid, task_name, config)
         else:
             assert task is not None
-            try:  # building a cluster client already talks to the cluster
-                sem = self.semaphore(app, name, config)
-            except BackendError as exc:
-                wait = _read_wait_header(request)
-                self._retry_after_error(
-                    task, request, name, config, wait, error=exc, started=started
-                )
-            handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
-            if handed is not None and time.monotonic() - handed[1] <= sem.lease / 3:
-                permit, confirmed_at = handed  # granted in the main process, moments ago
-            else:
-                # No grant, or one that waited for this child longer than the heartbeat
-                # would have let it (a child slow to start): its lease may have run out and
-                # the permit gone to another task. Asking again under the task id renews it
-                # if it is still held.
-                permit = self._attempt_or_retry(task, request, sem, config)
+            sem, permit, confirmed_at = self._worker_permit(task, request, name, config, started)
         # From the grant on, every way out releases: nothing may run between it and the try.
         heartbeat = get_heartbeat()
         held: HeldPermit | None = None
         token = None
+        entered: Token[tuple[_Entered, ...]] | None = None
         body_started = time.monotonic()
         try:
             held = HeldPermit(
@@ -300,17 +304,60 @@ class TaskGuard:
             )
             heartbeat.track(held)
             token = _current.set(held)
+            entered = _entered.set(
+                (*_entered.get(), _Entered(held, self.limit, threading.get_ident()))
+            )
             if request is not None:
                 setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
             body_started = time.monotonic()
             return self._run_body(held, args, kwargs)
         finally:
             hold_times.observe(task_name, time.monotonic() - body_started)
+            if entered is not None:
+                _entered.reset(entered)
             if token is not None:
                 _current.reset(token)
             if held is not None:
                 heartbeat.untrack(held)  # stop refreshing before releasing
             _release(sem, permit)
+
+    def _worker_permit(
+        self,
+        task: Task[Any, Any],
+        request: Context,
+        name: str,
+        config: RedsemConfig,
+        started: float,
+    ) -> tuple[FairSemaphore, Permit, float | None]:
+        """In a worker: the semaphore and permit, and when the grant was confirmed if it was
+        handed over by the main process; retries the task (raises) when none can be had."""
+        try:  # building a cluster client already talks to the cluster
+            sem = self.semaphore(task.app, name, config)
+        except BackendError as exc:
+            wait = _read_wait_header(request)
+            self._retry_after_error(task, request, name, config, wait, error=exc, started=started)
+        handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
+        if handed is not None and time.monotonic() - handed[1] <= sem.lease / 3:
+            return sem, handed[0], handed[1]  # granted in the main process, moments ago
+        # No grant, or one that waited for this child longer than the heartbeat would have
+        # let it (a child slow to start): its lease may have run out and the permit gone to
+        # another task. Asking again under the task id renews it if it is still held.
+        return sem, self._attempt_or_retry(task, request, sem, config), None
+
+    def _held_by_caller(self, name: str, prefix: str) -> HeldPermit | None:
+        """The permit of semaphore ``name`` that a guarded call running in this thread holds
+        with this guard's limit, if any (not one from a copied context in another thread)."""
+        me = threading.get_ident()
+        for entered in reversed(_entered.get()):
+            held = entered.held
+            if (
+                held.name == name
+                and held.permit.prefix == prefix
+                and entered.limit == self.limit
+                and entered.thread_id == me
+            ):
+                return held
+        return None
 
     def _app_of_direct_call(self) -> Celery:
         """The app of the task this guard is on, for a ``task.run(...)`` call (no task on the

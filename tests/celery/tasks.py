@@ -7,7 +7,9 @@ tests check the semaphore against an independent counter: ``<prefix>:t:cur:<key>
 
 from __future__ import annotations
 
+import contextvars
 import os
+import threading
 import time
 from typing import Any
 
@@ -15,7 +17,14 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
-from celery_redsem import current_permit, read_state, with_lock, with_semaphore
+from celery_redsem import (
+    FairSemaphore,
+    PermitLost,
+    current_permit,
+    read_state,
+    with_lock,
+    with_semaphore,
+)
 from celery_redsem.task_guard import WAIT_HEADER
 
 _ENTER = """
@@ -107,21 +116,66 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
         return describe(request)
 
     @app.task(shared=False, bind=True, name="t.nested", max_retries=0)
+    @with_semaphore(limit=5, key=lambda key: f"nested-outer:{key}")
     @with_lock(key=lambda key: f"nested:{key}")
     def nested(self: Any, key: str, how: str) -> dict[str, Any]:
-        """Calls a task on its own key synchronously: itself, or ``locked_too`` (``how``)."""
+        """Makes a guarded call on a key it holds, from its body (``how``, see the tests)."""
+        inner: Any = None
         if how == "itself":
             inner = self(key, "inner")
         elif how == "delay":  # runs inline in eager mode
-            inner = locked_too.delay(key).get(disable_sync_subtasks=False)
-        else:
-            inner = None
+            inner = [t.delay(key).get(disable_sync_subtasks=False) for t in (locked_too, outer_too)]
+        elif how == "lost":  # its lock is taken away first
+            held = current_permit()
+            assert held is not None
+            read = FairSemaphore(counter(), held.name, 1, prefix=prefix)
+            assert read.release(held.id)
+            deadline = time.monotonic() + 10
+            while not held.lost and time.monotonic() < deadline:
+                time.sleep(0.02)
+            try:
+                self(key, "inner")
+            except PermitLost as exc:
+                inner = type(exc).__name__
+        elif how == "other_limit":  # the outer key, locked (limit 1 instead of 5)
+            try:
+                inner = outer_locked.apply(args=(key,)).get(disable_sync_subtasks=False)
+            except Exception as exc:
+                inner = type(exc).__name__
+        elif how == "thread":  # a copy of this context, in another thread
+            outcome: list[str] = []
+
+            def call() -> None:
+                try:
+                    outcome.append(locked_too.apply(args=(key,)).get(disable_sync_subtasks=False))
+                except Exception as exc:
+                    outcome.append(type(exc).__name__)
+
+            thread = threading.Thread(target=contextvars.copy_context().run, args=(call,))
+            thread.start()
+            thread.join(30)
+            inner = outcome
         state = read_state(counter(), f"nested:{key}", prefix=prefix)
         return {
             "id": self.request.id,
             "inner": inner,
             "holders": [h.permit_id for h in state.holders],
         }
+
+    @app.task(shared=False, name="t.locked_too", max_retries=0)
+    @with_lock(key=lambda key: f"nested:{key}")
+    def locked_too(key: str) -> str:
+        return "ran"
+
+    @app.task(shared=False, name="t.outer_too", max_retries=0)
+    @with_semaphore(limit=5, key=lambda key: f"nested-outer:{key}")
+    def outer_too(key: str) -> str:
+        return "ran too"
+
+    @app.task(shared=False, name="t.outer_locked", max_retries=0)
+    @with_lock(key=lambda key: f"nested-outer:{key}")
+    def outer_locked(key: str) -> str:
+        return "ran locked"
 
     @app.task(shared=False, bind=True, name="t.two_guards", max_retries=0)
     @with_semaphore(limit=2, key=lambda key: f"outer:{key}")
@@ -133,11 +187,6 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
             for which, name in (("outer", f"outer:{key}"), ("inner", f"inner:{key}"))
         }
         return {"id": self.request.id, **holders, **describe(self.request)}
-
-    @app.task(shared=False, name="t.locked_too", max_retries=0)
-    @with_lock(key=lambda key: f"nested:{key}")
-    def locked_too(key: str) -> str:
-        return "ran"
 
     @app.task(shared=False, bind=True, name="t.until_killed")
     @with_lock(key=lambda key: f"killed:{key}", lease=10.0)

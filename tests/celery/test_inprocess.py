@@ -248,26 +248,43 @@ def test_a_task_calling_itself_runs_inside_its_own_permit(
     )
 
 
-def test_an_eager_call_on_the_key_its_caller_holds_runs_inside_the_callers_permit(
+def test_an_eager_call_on_a_key_its_caller_holds_runs_inside_the_callers_permit(
     redis_url: str, module_prefix: str, key: str
 ) -> None:
-    # In a worker the inner task would queue and run after its caller; run inline (eager),
-    # waiting for the caller's own permit could only time out.
+    # In a worker the inner tasks would queue and run after their caller; run inline (eager),
+    # waiting for the caller's own permits could only time out. The caller holds two: its
+    # lock (the innermost guard) and a limit-5 semaphore (the outermost).
     from tests.celery.tasks import make_app
 
     eager = make_app(redis_url, module_prefix, task_always_eager=True, redsem_eager_timeout=5)
     try:
         started = time.monotonic()
         out = eager.tasks["t.nested"].delay(key, "delay").get()
-        assert out["inner"] == "ran"
+        assert out["inner"] == ["ran", "ran too"]
         assert time.monotonic() - started < 4  # not redsem_eager_timeout
-        assert len(out["holders"]) == 1
-        assert (
-            read_state(
-                redis.Redis.from_url(redis_url), f"nested:{key}", prefix=module_prefix
-            ).holders
-            == []
-        )
+        assert out["holders"] == [out["id"]]
+        client = redis.Redis.from_url(redis_url)
+        assert read_state(client, f"nested:{key}", prefix=module_prefix).holders == []
+    finally:
+        close_app(eager)
+
+
+@pytest.mark.parametrize(
+    ("how", "inner"),
+    [
+        ("lost", "PermitLost"),  # the caller's permit was lost: nothing covers the call
+        ("thread", ["AcquireTimeout"]),  # a copied context in another thread: not the caller
+        ("other_limit", "AcquireTimeout"),  # the same name with another limit: not the same
+    ],
+)
+def test_a_call_the_callers_permit_does_not_cover_asks_for_its_own(
+    redis_url: str, module_prefix: str, key: str, how: str, inner: object
+) -> None:
+    from tests.celery.tasks import make_app
+
+    eager = make_app(redis_url, module_prefix, task_always_eager=True, redsem_eager_timeout=0.5)
+    try:
+        assert eager.tasks["t.nested"].delay(key, how).get()["inner"] == inner
     finally:
         close_app(eager)
 
