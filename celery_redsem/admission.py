@@ -18,9 +18,11 @@ fetching tasks it can run; at most a window's worth (concurrency x prefetch mult
 the worker reserves at most twice its window however long the line. A parked task stays
 reserved by the worker, unacknowledged: if the worker stops or loses its broker connection,
 the broker delivers the message again (a parked task from a lost connection is dropped, never
-run twice). One delivery stays parked for at most :data:`MAX_PARKED` seconds, and at most
-half the broker's ``visibility_timeout``: then it goes to a child, which retries it through
-the broker (acknowledging this message) before the broker could deliver it a second time. Its
+run twice). One delivery is parked only until :data:`MAX_PARKED` seconds, and at most half
+the broker's ``visibility_timeout``, have passed since it reached the worker (time spent
+waiting for a slot counts: the broker's clock runs from delivery): then it goes to a child,
+which retries it through the broker (acknowledging this message) before the broker would
+deliver it a second time. Its
 total wait counts toward ``redsem_max_wait``; once that is spent it goes to a child, which
 fails it with :class:`~celery_redsem.AcquireTimeout`.
 
@@ -73,7 +75,8 @@ MAX_PARK = 1.0
 FIRST_PARK = 0.01
 #: A parked task asks again a little before its turn is expected.
 EARLY = 0.8
-#: Seconds one delivery of a task may stay parked; then its child retries it through the broker.
+#: Seconds after its delivery a task may still be parked; then its child retries it through
+#: the broker.
 MAX_PARKED = 60.0
 
 
@@ -98,7 +101,7 @@ class _Parked:
     first_ms: int  # server ms when its wait began
     tries: int
     connection: Any  # the consumer's broker connection when it was parked
-    parked_at: float  # monotonic time this delivery was first parked
+    received_at: float  # monotonic time this delivery reached the worker
     timer: Any = None
     qos: Any = None  # the consumer's prefetch window it widened, if it did
 
@@ -200,18 +203,22 @@ class Admission:
                 _stamp_wait(req, first_ms)
                 return None
             park = min(park, max(MIN_PARK, max_wait - waited))
-        parked_at = earlier.parked_at if earlier is not None else asked
-        parked_for = asked - parked_at
+        if earlier is not None:
+            received_at = earlier.received_at
+        else:  # when the message reached the worker (ReleasingRequest), else now
+            received = getattr(req, "redsem_received_at", None)
+            received_at = received if isinstance(received, float) else asked
+        held_for = asked - received_at  # the broker's visibility clock runs from delivery
         longest = self._longest_park()
-        if parked_for >= longest:  # the child retries it: a new message, this one acknowledged
+        if held_for >= longest:  # the child retries it: a new message, this one acknowledged
             _stamp_wait(req, first_ms)
             return None
-        park = min(park, max(MIN_PARK, longest - parked_for))
+        park = min(park, max(MIN_PARK, longest - held_for))
         asked = time.monotonic()
         again = _attempt(sem, req.id, waiter_lease=park + config.waiter_margin, back_in=park)
         if isinstance(again, Permit):
             return again, asked
-        self._park(_Parked(req, name, again.position, first_ms, tries, None, parked_at), park)
+        self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)
         return None
 
     def _longest_park(self) -> float:

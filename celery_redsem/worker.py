@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from contextlib import suppress
 from typing import Any
 
@@ -81,6 +82,12 @@ class ReleasingRequest(Request):
     """A worker request that frees its task's permit when the pool child cannot."""
 
     _redsem_released = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: When this delivery reached the worker (monotonic): admission parks it for at most
+        #: :data:`~celery_redsem.admission.MAX_PARKED` from then (the broker's clock runs too).
+        self.redsem_received_at = time.monotonic()
 
     def _redsem_release(self) -> None:
         """Release by task id, once per request: a second time (several of the handlers below

@@ -259,15 +259,22 @@ def _runs(app: Celery, key: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("slot_wait", [False, True])
 def test_a_long_parked_task_is_retried_before_the_broker_would_deliver_it_again(
-    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, slot_wait: bool
 ) -> None:
-    # A parked message is unacknowledged: held past the broker's visibility timeout it would
-    # be delivered again, and both copies (one task id, so one permit) would run. Parking
-    # stops at half that timeout: the child retries the task, which acknowledges the message.
+    # A parked message is unacknowledged: held past the broker's visibility timeout (4 s; the
+    # broker looks every second) it would be delivered again, and both copies (one task id,
+    # so one permit) would run. Parking ends half that timeout after delivery, time spent
+    # waiting for a slot included: then the child retries the task, acknowledging the message.
     queue = f"vis-{key}"
     sem, blocker = blocked(app, f"locked:{key}")
-    transport = {"global_keyprefix": f"{module_prefix}:kombu:", "visibility_timeout": 2}
+    transport = {
+        "global_keyprefix": f"{module_prefix}:kombu:",
+        "visibility_timeout": 4,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
     with running_workers(
         redis_url,
         module_prefix,
@@ -278,12 +285,14 @@ def test_a_long_parked_task_is_retried_before_the_broker_would_deliver_it_again(
         queue,
         broker_transport_options=transport,
     ) as (proc,):
+        if slot_wait:  # the one slot is busy well past the longest park (2 s)
+            app.tasks["t.locked"].apply_async((f"{key}-ahead", 3.0), queue=queue)
         result = app.tasks["t.locked"].apply_async((key,), queue=queue)
         received = f"t.locked[{result.id}] received"
         wait_until(
-            lambda: proc.log().count(received) >= 4,
+            lambda: proc.log().count(received) >= 3,
             timeout=30,
-            what="the task to be retried through the broker three times",
+            what="the task to be retried through the broker twice",
         )
         assert not result.ready()
         sem.release(blocker)
