@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from celery import Task
+from celery._state import get_current_task
 from celery.local import Proxy
 
 from . import worker as _worker  # noqa: F401  (connects the worker's signal handlers)
@@ -56,14 +57,17 @@ def with_semaphore(
         lost_lease_policy: ``"log"`` or ``"raise"`` (default: ``redsem_lost_lease_policy``).
     """
 
-    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-        _refuse_a_task(fn)
-        if not callable(fn):
+    def decorate(*args: Any, **kwargs: Any) -> Callable[P, R]:
+        # Called with anything but one function, it is running as a task body: @app.task got
+        # this decorator itself, because the guard was written without its arguments.
+        if kwargs or len(args) != 1 or not callable(args[0]) or args[0] is get_current_task():
             raise ConfigurationError(
-                f"@with_semaphore / @with_lock decorates a function, got {fn!r}: was it written "
-                "without its arguments? Write @with_lock(key=...) or "
+                "@with_semaphore / @with_lock was written without its arguments, so the task "
+                "is the bare decorator: write @with_lock(key=...) or "
                 "@with_semaphore(limit=..., key=...)"
             )
+        fn: Callable[P, R] = args[0]
+        _refuse_a_task(fn)
         guard = TaskGuard(
             fn,
             limit=limit,

@@ -175,6 +175,14 @@ class FairSemaphore:
             )
         self.min_replicas = min_replicas
         self.replica_timeout = _positive_seconds(replica_timeout, "replica_timeout")
+        if min_replicas and self.replica_timeout > blocking_wait_cap(self.client):
+            raise ConfigurationError(
+                f"replica_timeout={self.replica_timeout}s does not fit in the client's "
+                f"socket_timeout={socket_timeout(self.client)}s (less a margin): WAIT blocks "
+                "for up to replica_timeout, and a socket timeout would leave an unacknowledged "
+                "grant held; shorten replica_timeout or lengthen socket_timeout",
+                name=name,
+            )
         # Settings that never change, encoded once: acquire runs on every task start.
         self._settings_try = self._settings(self.waiter_lease, join_line=False)
         self._settings_join = self._settings(self.waiter_lease, join_line=True)
@@ -341,9 +349,10 @@ class FairSemaphore:
 
         Nothing renews the lease unless ``keep_alive`` is set: then the process's heartbeat
         thread (the one Celery tasks use) refreshes it every lease/3 while the block runs. If
-        the permit was lost by the time the block ends (its lease ran out, or an operator
-        released it), leaving the block raises :class:`PermitLost`, unless the block is
-        already raising.
+        the permit was lost by the time the block ends (its lease ran out and another caller
+        took or swept it, or an operator released it), leaving the block raises
+        :class:`PermitLost`, unless the block is already raising. (A lease that ran out with
+        nobody asking since is still given back, without an error.)
         """
         permit = self.acquire(blocking=True, timeout=timeout, permit_id=permit_id)
         if permit is None:

@@ -123,16 +123,26 @@ def test_arguments_that_do_not_fit_name_the_task_when_the_key_is_worked_out() ->
 
 
 @pytest.mark.parametrize("decorator", [with_lock, functools.partial(with_semaphore, 2)])
+@pytest.mark.parametrize("bind", [False, True])
 def test_a_guard_written_without_its_arguments_says_so_when_the_task_runs(
-    decorator: Any,
+    decorator: Any, bind: bool
 ) -> None:
     # ``@with_lock`` with no parentheses takes the function as its key and returns a bare
-    # decorator, which @app.task registers as the task: its first call says what happened.
+    # decorator, which @app.task registers as the task: any call of it says what happened.
     app = Celery(set_as_current=False)
 
-    @app.task(shared=False)
+    @app.task(shared=False, bind=bind, name="t.build")
     @decorator
     def build(report_id: int) -> None: ...
 
-    with pytest.raises(ConfigurationError, match=r"without its arguments\? Write @with_lock"):
+    @app.task(shared=False, bind=bind, name="t.bare")
+    @decorator
+    def bare() -> None: ...
+
+    message = r"without its arguments, so the task is the bare decorator"
+    with pytest.raises(ConfigurationError, match=message):
         build(7)
+    with pytest.raises(ConfigurationError, match=message):
+        build(report_id=7)
+    with pytest.raises(ConfigurationError, match=message):
+        bare()

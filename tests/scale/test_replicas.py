@@ -186,3 +186,15 @@ def test_celery_tasks_take_min_replicas_from_the_settings(
         assert state.waiters == []
     finally:
         close_app(app)
+
+
+def test_a_replica_timeout_the_socket_timeout_cannot_wait_for_is_refused(redis_url):
+    # WAIT blocks for replica_timeout; a socket timeout first would leave the grant held.
+    client = redis.Redis.from_url(redis_url, socket_timeout=2)
+    try:
+        with pytest.raises(ConfigurationError, match=r"replica_timeout=3\.0s does not fit"):
+            Lock(client, "x", min_replicas=1, replica_timeout=3)
+        Lock(client, "x", min_replicas=1, replica_timeout=0.5)  # fits
+        Lock(client, "x", replica_timeout=3)  # no WAIT without min_replicas: nothing to fit
+    finally:
+        client.close()
