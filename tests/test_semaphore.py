@@ -106,6 +106,25 @@ def test_a_waiter_that_does_not_come_back_drops_out_of_line(redis_client, prefix
     assert [w.permit_id for w in sem.waiters()] == []
 
 
+def test_a_waiter_whose_place_lapsed_rejoins_behind_the_live_line(redis_client, prefix):
+    # Nothing swept the lapsed place yet (the semaphore was not full): coming back, it is a
+    # newcomer, and the free permit goes to the live, due waiter that was behind it.
+    sem = make(redis_client, prefix, limit=2, lease=30)
+    sem.attempt("h1")
+    second = sem.attempt("h2")
+    assert isinstance(second, Permit)
+    assert sem.attempt("lapsed", join_line=True, waiter_lease=0.2).position == 1
+    assert sem.attempt("live", join_line=True, waiter_lease=30).position == 2
+    sem.release(second)  # one permit free, owed to "lapsed" while its place lasts
+    expires = max(w.expires_at for w in sem.waiters() if w.permit_id == "lapsed")
+    wait_until(lambda: server_ms(redis_client) > expires, timeout=5, what="the place to lapse")
+    back = sem.attempt("lapsed", join_line=True, waiter_lease=30)
+    assert isinstance(back, Waiting)
+    assert back.position == 2
+    assert isinstance(sem.attempt("live", join_line=True, waiter_lease=30), Permit)
+    assert [w.permit_id for w in sem.waiters()] == ["lapsed"]
+
+
 def test_holder_asking_again_gets_the_same_permit(redis_client, prefix):
     sem = make(redis_client, prefix, limit=1, lease=5)
     first = sem.acquire(permit_id="task-9")
@@ -553,6 +572,18 @@ def test_a_line_that_outlived_its_holders_hash_keeps_its_order(redis_client, pre
     assert isinstance(late, Waiting)
     assert late.position == 3
     assert [w.permit_id for w in sem.waiters()] == ["first", "second", "late"]
+
+
+def test_a_waiter_leaves_a_line_that_outlived_its_holders_hash(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    assert sem.acquire() is not None
+    sem.attempt("first", join_line=True, waiter_lease=60)
+    sem.attempt("second", join_line=True, waiter_lease=60)
+    redis_client.delete(sem.keys.holders)  # e.g. evicted, or deleted by hand
+    assert sem.release("first")  # gives up its place: the line does not wait for it
+    assert [w.permit_id for w in sem.waiters()] == ["second"]
+    assert isinstance(sem.attempt("second", join_line=True), Permit)
+    assert redis_client.pttl(sem.keys.holders) > 0  # the hash came back with a TTL
 
 
 def test_a_release_wakes_the_first_due_waiter_not_one_that_is_away(redis_client, prefix):

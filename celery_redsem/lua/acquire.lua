@@ -130,7 +130,18 @@ if queued > 0 then
   h = h or helpers()
   waiters, wexp, wdue = h.sibling_keys(holders)
   rank = redis.call('ZRANK', waiters, id) or nil
-  ahead = h.due_ahead(waiters, wdue, rank or queued, queued, my_ticket(), now, limit - held)
+  if rank and tonumber(redis.call('ZSCORE', wexp, id) or 0) <= now then
+    -- This caller's place lapsed (nothing swept it yet): it comes back as a newcomer,
+    -- behind everyone still in line, not with its old place.
+    redis.call('ZREM', waiters, id)
+    redis.call('ZREM', wexp, id)
+    redis.call('ZREM', wdue, id)
+    redis.call('DEL', h.wake_key(holders, id))
+    queued, rank = queued - 1, nil
+  end
+  if queued > 0 then
+    ahead = h.due_ahead(waiters, wdue, rank or queued, queued, my_ticket(), now, limit - held)
+  end
 end
 
 if held + ahead >= limit then

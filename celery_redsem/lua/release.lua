@@ -15,13 +15,15 @@ local holders = KEYS[1]
 local id, token = ARGV[1], ARGV[2]
 
 local mine, queued = unpack(redis.call('HMGET', holders, id, ':queued'))
+-- No ':queued' counter: the hash is gone (evicted, deleted), and a line may have outlived it.
+local gone = queued == false
 queued = tonumber(queued or 0)
 local result = 0
 if mine and (token == '' or string.match(mine, '^(%d+):') == token) then
   redis.call('HDEL', holders, id)
   result = 1
 end
-if queued == 0 or (result == 0 and (mine or token ~= '')) then
+if (queued == 0 and not gone) or (result == 0 and (mine or token ~= '')) then
   return result
 end
 
@@ -39,7 +41,9 @@ if result > 0 then
   local now = server_now()
   local held, earliest = h.sweep_holders(holders, now)
   local left = h.sweep_waiters(waiters, wexp, wdue, now)
-  redis.call('HSET', holders, ':queued', left, ':next', earliest, ':gate', 0) -- acquire reopens it
+  if not gone then -- (a new hash is acquire's to make: it gives it its counters and TTL)
+    redis.call('HSET', holders, ':queued', left, ':next', earliest, ':gate', 0) -- acquire reopens it
+  end
   h.wake(holders, waiters, wexp, wdue, tonumber(redis.call('HGET', holders, ':limit') or 1) - held, now)
 end
 return result
