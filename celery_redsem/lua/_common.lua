@@ -24,7 +24,9 @@
 --                  cannot use meanwhile goes to whoever is present, in line order.
 --   <prefix>:{name}:wake:<permit id>  LIST  wake-up signal for a blocked waiter
 -- Times come from the server's clock only (TIME); client clocks never matter.
--- Every key expires after the longest lease in it plus the idle TTL: idle semaphores vanish.
+-- Every key expires: the line's keys an idle TTL after the last place in them, the holders hash
+-- half an idle TTL to one after its longest lease and one to one and a half after the last
+-- place in line (it outlives the line): idle semaphores vanish.
 -- The hot paths run on every task start and end, so they are kept to a few calls: expired
 -- holders are swept only when the semaphore is full and ':next' says one may have expired,
 -- and the TTL is pushed only when ':horizon' comes within half an idle TTL.
