@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
 from celery.app.task import Context
+from celery.worker import state as worker_state
 
 from .backoff import hold_times
 from .config import get_config
@@ -98,7 +99,7 @@ class _Parked:
     req: Any
     name: str
     position: int
-    first_ms: int  # server ms when its wait began
+    first_ms: int  # server ms when its wait began (-1: not waiting for a permit yet)
     tries: int
     connection: Any  # the consumer's broker connection when it was parked
     received_at: float  # monotonic time this delivery reached the worker
@@ -115,6 +116,8 @@ class Admission:
         #: Parked requests, by request: two deliveries of one task id are parked apart.
         self.parked: dict[Any, _Parked] = {}
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
+        #: Task ids this worker runs on a grant it handed over, until each run ends.
+        self._handed: Counter[str] = Counter()
         self._usable: bool | None = None
         self._paused_until = 0.0
 
@@ -145,6 +148,7 @@ class Admission:
         if granted is not None:
             permit, granted_at = granted
             hand_over(req.request_dict, permit, granted_at)
+            self._handed[req.id] += 1
             self._watch(req, permit.name)
         return self._dispatch(req)
 
@@ -179,13 +183,16 @@ class Admission:
         sem = guard.semaphore(self.app, name, config)
         if sem.min_replicas:
             return None
+        if self._runs_here(req):
+            self._park_copy(req, name, earlier)
+            return None
         present = present_waiter_lease(config)
         asked = time.monotonic()
         result = _attempt(sem, req.id, waiter_lease=present)
         if isinstance(result, Permit):
             return result, asked
         now_ms = _server_ms(result, present)
-        if earlier is not None:
+        if earlier is not None and earlier.first_ms >= 0:
             first_ms = earlier.first_ms
         else:
             first_ms = min(_read_wait(req).first_ms or now_ms, now_ms)  # never in the future
@@ -220,6 +227,30 @@ class Admission:
             return again, asked
         self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)
         return None
+
+    def _runs_here(self, req: Any) -> bool:
+        """Whether another delivery of ``req``'s task id runs on this worker now (the broker
+        delivered it again, say after a lost connection, while the first run goes on)."""
+        if self._handed.get(req.id):
+            return True
+        return any(r.id == req.id and r is not req for r in list(worker_state.active_requests))
+
+    def _park_copy(self, req: Any, name: str, earlier: _Parked | None) -> None:
+        """Park a second delivery of a running task id until that run ends.
+
+        The permit is the task id's, so this copy would get it too, and the first run's end
+        would release it under the second: the two would run at once, and a third task could
+        join them. Parked, it asks again when a task of this semaphore ends here (it is first
+        to be woken), so the copies run one after the other, as at-least-once delivery does.
+        """
+        tries = earlier.tries + 1 if earlier is not None else 0
+        if earlier is not None:
+            received_at = earlier.received_at
+        else:
+            received = getattr(req, "redsem_received_at", None)
+            received_at = received if isinstance(received, float) else time.monotonic()
+        first_ms = earlier.first_ms if earlier is not None else -1  # not waiting for a permit
+        self._park(_Parked(req, name, 0, first_ms, tries, None, received_at), MAX_PARK)
 
     def _longest_park(self) -> float:
         """How long one delivery may stay parked (unacknowledged): :data:`MAX_PARKED`, and at
@@ -260,6 +291,9 @@ class Admission:
             nonlocal done
             if not done:
                 done = True
+                self._handed[req.id] -= 1
+                if self._handed[req.id] <= 0:
+                    del self._handed[req.id]
                 hold_times.observe(task_name, time.monotonic() - started)
                 self._wake_one(name)
 

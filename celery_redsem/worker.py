@@ -49,7 +49,13 @@ from .errors import REDIS_ERRORS, RedsemError, is_transient
 from .semaphore import RedisClient
 from .task_guard import call_arguments, guards_of, iter_guarded_tasks
 
-__all__ = ["ReleasingRequest", "check_eviction_policy", "install_request_class", "release_task"]
+__all__ = [
+    "ReleasingRequest",
+    "check_eviction_policy",
+    "check_late_acks",
+    "install_request_class",
+    "release_task",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +204,25 @@ def check_eviction_policy(client: RedisClient) -> str | None:
     return None
 
 
+def check_late_acks(app: Celery, tasks: list[Task[Any, Any]]) -> str | None:
+    """A warning if guarded tasks acknowledge late while a lost broker connection leaves them
+    running (``worker_cancel_long_running_tasks_on_connection_loss`` off, Celery 5's default):
+    the broker then delivers a running task again, maybe to another worker, and both copies
+    run on the task id's one permit. None if nothing to say."""
+    if app.conf.get("worker_cancel_long_running_tasks_on_connection_loss"):
+        return None
+    late = sorted(task.name for task in tasks if getattr(task, "acks_late", False))
+    if not late:
+        return None
+    return (
+        f"celery_redsem: guarded tasks with acks_late ({', '.join(late[:5])}"
+        f"{', ...' if len(late) > 5 else ''}) keep running when the broker connection is "
+        "lost, and the broker delivers them again: on another worker the two copies would "
+        "share the task id's permit. Set worker_cancel_long_running_tasks_on_connection_loss"
+        " = True"
+    )
+
+
 @worker_init.connect(weak=False, dispatch_uid="celery_redsem.worker.on_worker_init")
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app: Celery | None = getattr(sender, "app", None)
@@ -210,6 +235,9 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     _pool_has_child_processes = has_child_processes(getattr(sender, "pool_cls", None))
     for task in guarded:
         install_request_class(task)
+    warning = check_late_acks(app, guarded)
+    if warning:
+        logger.warning(warning)
     try:
         config = get_config(app)
         if config.worker_admission:

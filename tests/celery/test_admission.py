@@ -6,7 +6,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import redis
@@ -366,3 +366,33 @@ def test_a_task_with_two_guards_goes_to_its_child_and_holds_both(
         assert out["inner"] == [out["id"]]
     assert holder(app, f"outer:{key}", 2).state().holders == []
     assert holder(app, f"inner:{key}").state().holders == []
+
+
+@pytest.mark.slow
+def test_two_deliveries_of_one_task_id_run_one_after_the_other(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # Both copies share the task id's permit: run at once, the first one's end would release
+    # it under the second. With two free slots, the second copy waits for the first to end.
+    queue = f"copies-{key}"
+    sem, blocker = blocked(app, f"locked:{key}")
+    task_id = f"same-{key}"
+    with running_workers(redis_url, module_prefix, tmp_path, ["copies"], 2, "-Q", queue):
+        for _ in range(2):
+            app.tasks["t.locked"].apply_async((key, 0.5), queue=queue, task_id=task_id)
+        inspect = app.control.inspect(timeout=1.0, destination=_nodes(["copies"]))
+        wait_until(
+            lambda: sum(t == task_id for t in _reserved_ids(inspect)) == 2,
+            20,
+            what="both copies parked",
+        )
+        sem.release(blocker)
+        runs = f"{app.conf.redsem_key_prefix}:t:log:{key}"
+        wait_until(lambda: _counter(app).llen(runs) == 4, 20, what="both copies to run")
+    log = [entry.decode() for entry in _counter(app).lrange(runs, 0, -1)]
+    assert log == [f"start {task_id}", f"end {task_id}"] * 2
+    assert sem.state().holders == []
+
+
+def _reserved_ids(inspect: Any) -> list[str]:
+    return [str(t["id"]) for ts in (inspect.reserved() or {}).values() for t in ts]
