@@ -162,10 +162,11 @@ def test_a_release_that_cannot_reach_redis_is_logged_and_the_outcome_stands(
         result = outage_app.tasks["t.fifo"].delay(key, "body", -1)  # holds until told
         wait_until(lambda: [h.permit_id for h in sem.holders()] == [result.id], 15, what="held")
         down_server.kill()
-        redis.Redis.from_url(outage_app.conf.broker_url).rpush(
-            f"{outage_app.conf.redsem_key_prefix}:t:go:{key}", 1
-        )
+        # (The level is set before the body may end: start_worker logs at ERROR only.)
         with caplog.at_level(logging.WARNING, logger="celery_redsem"):
+            redis.Redis.from_url(outage_app.conf.broker_url).rpush(
+                f"{outage_app.conf.redsem_key_prefix}:t:go:{key}", 1
+            )
             assert result.get(timeout=20)["tag"] == "body"
             assert result.state == "SUCCESS"
             wait_until(
