@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -116,8 +116,8 @@ class Admission:
         #: Parked requests, by request: two deliveries of one task id are parked apart.
         self.parked: dict[Any, _Parked] = {}
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
-        #: Task ids this worker runs on a grant it handed over, until each run ends.
-        self._handed: Counter[str] = Counter()
+        #: Requests handed to the pool with a grant, by task id, until each run ends.
+        self._handed: dict[str, list[Any]] = {}
         self._usable: bool | None = None
         self._paused_until = 0.0
 
@@ -148,7 +148,7 @@ class Admission:
         if granted is not None:
             permit, granted_at = granted
             hand_over(req.request_dict, permit, granted_at)
-            self._handed[req.id] += 1
+            self._handed.setdefault(req.id, []).append(req)
             self._watch(req, permit.name)
         return self._dispatch(req)
 
@@ -231,8 +231,11 @@ class Admission:
     def _runs_here(self, req: Any) -> bool:
         """Whether another delivery of ``req``'s task id runs on this worker now (the broker
         delivered it again, say after a lost connection, while the first run goes on)."""
-        if self._handed.get(req.id):
+        live = worker_state.reserved_requests | worker_state.active_requests  # not ended yet
+        handed = [r for r in self._handed.get(req.id, ()) if r is not req and r in live]
+        if handed:
             return True
+        self._handed.pop(req.id, None)  # ended without telling us (never ran), if any are left
         return any(r.id == req.id and r is not req for r in list(worker_state.active_requests))
 
     def _park_copy(self, req: Any, name: str, earlier: _Parked | None) -> None:
@@ -291,9 +294,11 @@ class Admission:
             nonlocal done
             if not done:
                 done = True
-                self._handed[req.id] -= 1
-                if self._handed[req.id] <= 0:
-                    del self._handed[req.id]
+                handed = self._handed.get(req.id, [])
+                if req in handed:
+                    handed.remove(req)
+                if not handed:
+                    self._handed.pop(req.id, None)
                 hold_times.observe(task_name, time.monotonic() - started)
                 self._wake_one(name)
 
