@@ -88,7 +88,7 @@ def park_time(*, position: int, limit: int, hold: float | None, tries: int) -> f
     little early; until a hold time is known, :data:`FIRST_PARK` doubling with each try.
     """
     if hold is None:
-        return min(MAX_PARK, FIRST_PARK * 2.0**tries)
+        return min(MAX_PARK, FIRST_PARK * 2.0 ** min(tries, 32))
     return min(MAX_PARK, max(MIN_PARK, EARLY * position * hold / limit))
 
 
@@ -243,10 +243,11 @@ class Admission:
 
         The permit is the task id's, so this copy would get it too, and the first run's end
         would release it under the second: the two would run at once, and a third task could
-        join them. Parked, it asks again when a task of this semaphore ends here (it is first
-        to be woken), so the copies run one after the other, as at-least-once delivery does.
+        join them. Parked, it asks again when that run ends, so the copies run one after the
+        other, as at-least-once delivery does. (Parked past half the broker's visibility
+        timeout, it may be delivered once more: that copy waits its turn too.)
         """
-        tries = earlier.tries + 1 if earlier is not None else 0
+        tries = earlier.tries if earlier is not None else 0  # not a try for a permit
         if earlier is not None:
             received_at = earlier.received_at
         else:
@@ -300,7 +301,7 @@ class Admission:
                 if not handed:
                     self._handed.pop(req.id, None)
                 hold_times.observe(task_name, time.monotonic() - started)
-                self._wake_one(name)
+                self._wake_one(name, req.id)
 
         def wrap(callback: Any) -> Any:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -314,15 +315,19 @@ class Admission:
         req.on_success = wrap(req.on_success)
         req.on_failure = wrap(req.on_failure)
 
-    def _wake_one(self, name: str) -> None:
-        """A permit of ``name`` was given back here: the first task parked on it asks again."""
+    def _wake_one(self, name: str, ended_id: str) -> None:
+        """A run of task ``ended_id`` gave back a permit of ``name`` here: the first task
+        parked on it asks again, and so do copies of ``ended_id`` that waited for that run."""
         # Not one already resumed (waiting for a slot): it asks again anyway.
         waiting = [p for p in self.parked.values() if p.name == name and p.timer is not None]
-        if waiting:
-            first = min(waiting, key=lambda p: p.position)
+        in_line = [p for p in waiting if p.first_ms >= 0]  # (copies of a running id are not)
+        woken = [p for p in waiting if p.first_ms < 0 and p.req.id == ended_id]
+        if in_line:
+            woken.append(min(in_line, key=lambda p: p.position))
+        for parked in woken:
             with suppress(Exception):
-                self.controller.timer.cancel(first.timer)
-            self._resume(first.req)
+                self.controller.timer.cancel(parked.timer)
+            self._resume(parked.req)
 
     # -- parking --------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ def test_park_time_follows_the_line_and_is_bounded() -> None:
     assert park_time(position=3, limit=2, hold=None, tries=0) == FIRST_PARK
     assert park_time(position=3, limit=2, hold=None, tries=2) == 4 * FIRST_PARK
     assert park_time(position=3, limit=2, hold=None, tries=30) == MAX_PARK
+    assert park_time(position=3, limit=2, hold=None, tries=5000) == MAX_PARK  # no overflow
     # Known hold: a little before `position` holders of `hold` left a `limit` semaphore.
     assert 0.6 * 1.0 < park_time(position=4, limit=2, hold=0.5, tries=0) < 1.0
     assert park_time(position=1, limit=100, hold=0.001, tries=0) == MIN_PARK
