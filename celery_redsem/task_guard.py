@@ -77,8 +77,6 @@ WAIT_HEADER = "redsem_wait"
 
 KeyFunction = Callable[..., object]
 
-_current: ContextVar[HeldPermit | None] = ContextVar("celery_redsem_permit", default=None)
-
 
 @dataclass(frozen=True)
 class _Entered:
@@ -89,7 +87,8 @@ class _Entered:
     thread_id: int
 
 
-#: Every permit held by the guarded calls running in this context, outermost first.
+#: Every permit held by the guarded calls running in this context, outermost first (the last
+#: is :func:`current_permit`).
 _entered: ContextVar[tuple[_Entered, ...]] = ContextVar("celery_redsem_entered", default=())
 _GUARD_ATTR = "__redsem_guard__"
 _BLOCK_SLICE = 1.0  # one BLPOP stays well inside the default 2 s socket timeout
@@ -103,7 +102,8 @@ def current_permit() -> HeldPermit | None:
     Its ``token`` is the fencing token; ``check()`` raises :class:`~celery_redsem.PermitLost`
     if the lease was lost.
     """
-    return _current.get()
+    entered = _entered.get()
+    return entered[-1].held if entered else None
 
 
 def guards_of(task: object) -> list[TaskGuard]:
@@ -288,7 +288,6 @@ class TaskGuard:
         # From the grant on, every way out releases: nothing may run between it and the try.
         heartbeat = get_heartbeat()
         held: HeldPermit | None = None
-        token = None
         entered: Token[tuple[_Entered, ...]] | None = None
         body_started = time.monotonic()
         try:
@@ -303,7 +302,6 @@ class TaskGuard:
                 ),
             )
             heartbeat.track(held)
-            token = _current.set(held)
             entered = _entered.set(
                 (*_entered.get(), _Entered(held, self.limit, threading.get_ident()))
             )
@@ -315,8 +313,6 @@ class TaskGuard:
             hold_times.observe(task_name, time.monotonic() - body_started)
             if entered is not None:
                 _entered.reset(entered)
-            if token is not None:
-                _current.reset(token)
             if held is not None:
                 heartbeat.untrack(held)  # stop refreshing before releasing
             _release(sem, permit)
