@@ -22,9 +22,8 @@ run twice). One delivery is parked only until :data:`MAX_PARKED` seconds, and at
 the broker's ``visibility_timeout``, have passed since it reached the worker (time spent
 waiting for a slot counts: the broker's clock runs from delivery): then it goes to a child,
 which retries it through the broker (acknowledging this message) before the broker would
-deliver it a second time. Its
-total wait counts toward ``redsem_max_wait``; once that is spent it goes to a child, which
-fails it with :class:`~celery_redsem.AcquireTimeout`.
+deliver it a second time. Its total wait counts toward ``redsem_max_wait``; once that is
+spent it goes to a child, which fails it with :class:`~celery_redsem.AcquireTimeout`.
 
 Anything unusual hands the task to the child unchanged, which then waits or retries as
 :mod:`celery_redsem.task_guard` describes: pools without a slot semaphore (solo, threads,
@@ -210,11 +209,7 @@ class Admission:
                 _stamp_wait(req, first_ms)
                 return None
             park = min(park, max(MIN_PARK, max_wait - waited))
-        if earlier is not None:
-            received_at = earlier.received_at
-        else:  # when the message reached the worker (ReleasingRequest), else now
-            received = getattr(req, "redsem_received_at", None)
-            received_at = received if isinstance(received, float) else asked
+        received_at = _received_at(req, earlier, asked)
         held_for = asked - received_at  # the broker's visibility clock runs from delivery
         longest = self._longest_park()
         if held_for >= longest:  # the child retries it: a new message, this one acknowledged
@@ -248,12 +243,8 @@ class Admission:
         timeout, it may be delivered once more: that copy waits its turn too.)
         """
         tries = earlier.tries if earlier is not None else 0  # not a try for a permit
-        if earlier is not None:
-            received_at = earlier.received_at
-        else:
-            received = getattr(req, "redsem_received_at", None)
-            received_at = received if isinstance(received, float) else time.monotonic()
         first_ms = earlier.first_ms if earlier is not None else -1  # not waiting for a permit
+        received_at = _received_at(req, earlier, time.monotonic())
         self._park(_Parked(req, name, 0, first_ms, tries, None, received_at), MAX_PARK)
 
     def _longest_park(self) -> float:
@@ -385,6 +376,15 @@ def _slot_semaphore(controller: Any) -> Any:
     ):
         return None
     return semaphore
+
+
+def _received_at(req: Any, earlier: _Parked | None, now: float) -> float:
+    """When ``req``'s delivery reached the worker (monotonic): as parked before, else as its
+    :class:`~celery_redsem.worker.ReleasingRequest` noted, else ``now``."""
+    if earlier is not None:
+        return earlier.received_at
+    received = getattr(req, "redsem_received_at", None)
+    return received if isinstance(received, float) else now
 
 
 def _read_wait(req: Any) -> WaitState:
