@@ -103,8 +103,8 @@ def force_release(
     """Take the permit (or place in line) of ``permit_id`` away, whoever holds it, and log it.
 
     Meant for an operator whose holder is known to be gone; ``actor`` (who did it) goes into
-    the log line. A holder that is in fact still
-    running finds out at its next heartbeat: its permit is reported lost. Idempotent.
+    the log line. A holder that is in fact still running finds out at its next heartbeat, or
+    at its release if that comes first: its permit is reported lost. Idempotent.
     """
     before = read_state(client, validate_name(name), prefix=prefix)
     holder = next((h for h in before.holders if h.permit_id == permit_id), None)

@@ -219,8 +219,8 @@ def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> Non
     """Force-release PERMIT_ID (a task id) from the semaphore NAME.
 
     For a holder known to be gone. The release is logged (with user and host). A task that is in
-    fact still running finds its permit lost at its next heartbeat. Exits with 1 if PERMIT_ID
-    neither held a permit nor waited in line.
+    fact still running finds its permit lost at its next heartbeat (or its release, if it ends
+    first). Exits with 1 if PERMIT_ID neither held a permit nor waited in line.
     """
     target = _target(ctx)
     actor = f"{getpass.getuser()}@{socket.gethostname()}"

@@ -86,7 +86,11 @@ SETTINGS: tuple[Setting, ...] = (
         "First retry countdown in seconds while no hold time is known, and after Redis errors.",
     ),
     Setting("redsem_retry_backoff_max", 10.0, "Cap on the contention-retry countdown in seconds."),
-    Setting("redsem_retry_jitter", True, "Randomise contention-retry countdowns (full jitter)."),
+    Setting(
+        "redsem_retry_jitter",
+        True,
+        "Randomise retry countdowns (full jitter on backoff, up to 30 % off line-based ones).",
+    ),
     Setting(
         "redsem_retry_min_countdown",
         0.02,

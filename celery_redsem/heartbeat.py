@@ -173,6 +173,20 @@ class HeldPermit:
             self._next_due = now + delay
             return now >= self._confirmed_at + self._permit.lease
 
+    def lost_at_release(self) -> bool:
+        """The release (after :meth:`Heartbeat.untrack`) found the permit no longer held: flag
+        and log the loss, unless a refresh already did; True if this call flagged it."""
+        with self._lock:
+            if self._lost:
+                return False
+            self._lost = True
+        _log_loss(
+            self,
+            "the release found it no longer held (released by an operator, or its "
+            "lease ran out and another caller took it before the next refresh)",
+        )
+        return True
+
     def _mark_lost(self) -> bool:
         """Flag the loss (and interrupt the body under "raise"); False if already handled."""
         with self._lock:
@@ -293,14 +307,18 @@ class Heartbeat:
         with self._lock:
             self._held.discard(held)
         if held._mark_lost():
-            logger.error(
-                "celery_redsem: permit %r of %r (task %s, token %d) lost its lease: %s",
-                held.id,
-                held.name,
-                held.task_name or "?",
-                held.token,
-                why,
-            )
+            _log_loss(held, why)
+
+
+def _log_loss(held: HeldPermit, why: str) -> None:
+    logger.error(
+        "celery_redsem: permit %r of %r (task %s, token %d) lost its lease: %s",
+        held.id,
+        held.name,
+        held.task_name or "?",
+        held.token,
+        why,
+    )
 
 
 def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:

@@ -290,6 +290,7 @@ class TaskGuard:
         held: HeldPermit | None = None
         entered: Token[tuple[_Entered, ...]] | None = None
         body_started = time.monotonic()
+        gone_at_release = False  # the release found the permit no longer held
         try:
             held = HeldPermit(
                 permit,
@@ -308,14 +309,20 @@ class TaskGuard:
             if request is not None:
                 setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
             body_started = time.monotonic()
-            return self._run_body(held, args, kwargs)
+            result = self._run_body(held, args, kwargs)
         finally:
             hold_times.observe(task_name, time.monotonic() - body_started)
             if entered is not None:
                 _entered.reset(entered)
             if held is not None:
                 heartbeat.untrack(held)  # stop refreshing before releasing
-            _release(sem, permit)
+            if _release(sem, permit) is False and held is not None:
+                # Lost before the next refresh could tell (an operator's release, or a
+                # stall past the lease): reported as a refresh would have.
+                gone_at_release = held.lost_at_release()
+        if gone_at_release and held is not None and held.lost_lease_policy == "raise":
+            raise held.lost_error()
+        return result
 
     def _worker_permit(
         self,
@@ -612,7 +619,7 @@ class TaskGuard:
         except (KeyFunctionError, TypeError) as exc:
             logger.debug("celery_redsem: no semaphore for %s[%s]: %s", task_name, task_id, exc)
             return False
-        return _release(self.semaphore(app, name), task_id)
+        return _release(self.semaphore(app, name), task_id) is True
 
 
 def _optional_seconds(
@@ -789,7 +796,8 @@ def _disarm(held: HeldPermit) -> None:
         return
 
 
-def _release(sem: FairSemaphore, permit: Permit | str) -> bool:
+def _release(sem: FairSemaphore, permit: Permit | str) -> bool | None:
+    """Give ``permit`` back: True if it was held, False if not, None if Redis failed (logged)."""
     try:
         return sem.release(permit)
     except BackendError as exc:
@@ -800,7 +808,7 @@ def _release(sem: FairSemaphore, permit: Permit | str) -> bool:
             sem.name,
             exc,
         )
-        return False
+        return None
 
 
 def iter_guarded_tasks(app: Celery) -> Iterator[tuple[Task[Any, Any], list[TaskGuard]]]:

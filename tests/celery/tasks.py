@@ -269,6 +269,22 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
             time.sleep(0.02)
         return "not interrupted"
 
+    def held_until_go(key: str) -> str:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        counter().blpop([f"{prefix}:t:go:{key}"], timeout=20)
+        return "done"
+
+    # A lease longer than the test: no refresh runs while the body waits for its go.
+    @app.task(shared=False, name="t.held_long")
+    @with_lock(key=lambda key: f"long:{key}", lease=30.0)
+    def held_long(key: str) -> str:
+        return held_until_go(key)
+
+    @app.task(shared=False, name="t.held_long_raises")
+    @with_lock(key=lambda key: f"long:{key}", lease=30.0, lost_lease_policy="raise")
+    def held_long_raises(key: str) -> str:
+        return held_until_go(key)
+
     @app.task(shared=False, bind=True, name="t.ways_out", max_retries=1)
     @with_lock(key=lambda key: f"ways:{key}")
     def ways_out(self: Any, key: str, how: str) -> str:

@@ -197,6 +197,35 @@ def test_raise_policy_interrupts_the_body_on_a_lost_lease(
     assert time.monotonic() - taken < 5  # the body was interrupted, not run to its end (30 s)
 
 
+@pytest.mark.parametrize("policy", ["log", "raise"])
+def test_a_permit_taken_away_before_any_refresh_is_reported_when_the_body_ends(
+    app: Celery, workers: list[WorkerProcess], key: str, policy: str
+) -> None:
+    # The body ends long before its first refresh (30 s lease): the release at the end is the
+    # first to find the permit gone, and reports it as a refresh would have.
+    task = app.tasks["t.held_long" if policy == "log" else "t.held_long_raises"]
+    result = task.delay(key)
+    _pid(app, key)
+    assert holder(app, f"long:{key}").release(result.id)  # an operator takes it away
+    _counter(app).rpush(f"{app.conf.redsem_key_prefix}:t:go:{key}", 1)
+    go = time.monotonic()
+    if policy == "raise":
+        with pytest.raises(PermitLost, match="lost its lease"):
+            result.get(timeout=15)
+    else:
+        assert result.get(timeout=15) == "done"  # the body's outcome stands
+    assert time.monotonic() - go < 5  # ended on its go, before any refresh could look
+    wait_until(
+        lambda: any(
+            f"permit {result.id!r} of 'long:{key}'" in w.log()
+            and "the release found it no longer held" in w.log()
+            for w in workers
+        ),
+        10,
+        what="the loss in a worker's log",
+    )
+
+
 def test_cold_shutdown_frees_the_permit_from_the_main_process(
     app: Celery, redis_url: str, module_prefix: str, key: str, tmp_path: Path
 ) -> None:
