@@ -2,7 +2,8 @@
 
 The prefork pool's main process hands a task to a child only when one of its slots is free
 (Celery's slot semaphore). Just then, for a task with one guard, :class:`Admission` asks for
-the permit (one round trip, joining the FIFO line under the task id):
+the permit (one round trip, joining the FIFO line under the task run's permit id: its task
+id, marked for a run its own retry queued; see :func:`~celery_redsem.permit_ids.run_permit_id`):
 
 * **Granted**: the task goes to the child with the permit (:mod:`~celery_redsem.handoff`), so
   the child does not ask again.
@@ -49,6 +50,7 @@ from .backoff import hold_times
 from .config import get_config
 from .errors import BackendError
 from .handoff import clear_grant, hand_over
+from .permit_ids import permit_id_of
 from .permits import Permit
 from .task_guard import (
     WAIT_HEADER,
@@ -115,7 +117,7 @@ class Admission:
         #: Parked requests, by request: two deliveries of one task id are parked apart.
         self.parked: dict[Any, _Parked] = {}
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
-        #: Requests handed to the pool with a grant, by task id, until each run ends.
+        #: Requests handed to the pool with a grant, by permit id, until each run ends.
         self._handed: dict[str, list[Any]] = {}
         self._usable: bool | None = None
         self._paused_until = 0.0
@@ -147,7 +149,7 @@ class Admission:
         if granted is not None:
             permit, granted_at = granted
             hand_over(req.request_dict, permit, granted_at)
-            self._handed.setdefault(req.id, []).append(req)
+            self._handed.setdefault(permit_id_of(req), []).append(req)
             self._watch(req, permit.name)
         return self._dispatch(req)
 
@@ -187,7 +189,7 @@ class Admission:
             return None
         present = present_waiter_lease(config)
         asked = time.monotonic()
-        result = _attempt(sem, req.id, waiter_lease=present)
+        result = _attempt(sem, permit_id_of(req), waiter_lease=present)
         if isinstance(result, Permit):
             return result, asked
         now_ms = _server_ms(result, present)
@@ -217,26 +219,33 @@ class Admission:
             return None
         park = min(park, max(MIN_PARK, longest - held_for))
         asked = time.monotonic()
-        again = _attempt(sem, req.id, waiter_lease=park + config.waiter_margin, back_in=park)
+        again = _attempt(
+            sem, permit_id_of(req), waiter_lease=park + config.waiter_margin, back_in=park
+        )
         if isinstance(again, Permit):
             return again, asked
         self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)
         return None
 
     def _runs_here(self, req: Any) -> bool:
-        """Whether another delivery of ``req``'s task id runs on this worker now (the broker
-        delivered it again, say after a lost connection, while the first run goes on)."""
+        """Whether another delivery of ``req``'s run (same task id and permit id) runs on this
+        worker now (the broker delivered it again, say after a lost connection, while the
+        first delivery goes on)."""
+        run = permit_id_of(req)
         live = worker_state.reserved_requests | worker_state.active_requests  # not ended yet
-        handed = [r for r in self._handed.get(req.id, ()) if r is not req and r in live]
+        handed = [r for r in self._handed.get(run, ()) if r is not req and r in live]
         if handed:
             return True
-        self._handed.pop(req.id, None)  # ended without telling us (never ran), if any are left
-        return any(r.id == req.id and r is not req for r in list(worker_state.active_requests))
+        self._handed.pop(run, None)  # ended without telling us (never ran), if any are left
+        return any(
+            r.id == req.id and r is not req and permit_id_of(r) == run
+            for r in list(worker_state.active_requests)
+        )
 
     def _park_copy(self, req: Any, name: str, earlier: _Parked | None) -> None:
-        """Park a second delivery of a running task id until that run ends.
+        """Park a second delivery of a running task run until that run ends.
 
-        The permit is the task id's, so this copy would get it too, and the first run's end
+        The permit is the run's, so this copy would get it too, and the first run's end
         would release it under the second: the two would run at once, and a third task could
         join them. Parked, it asks again when that run ends, so the copies run one after the
         other, as at-least-once delivery does. (Parked past half the broker's visibility
@@ -280,19 +289,20 @@ class Admission:
         """
         started = time.monotonic()
         task_name = req.task.name
+        run = permit_id_of(req)
         done = False
 
         def finished() -> None:
             nonlocal done
             if not done:
                 done = True
-                handed = self._handed.get(req.id, [])
+                handed = self._handed.get(run, [])
                 if req in handed:
                     handed.remove(req)
                 if not handed:
-                    self._handed.pop(req.id, None)
+                    self._handed.pop(run, None)
                 hold_times.observe(task_name, time.monotonic() - started)
-                self._wake_one(name, req.id)
+                self._wake_one(name, run)
 
         def wrap(callback: Any) -> Any:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -312,7 +322,7 @@ class Admission:
         # Not one already resumed (waiting for a slot): it asks again anyway.
         waiting = [p for p in self.parked.values() if p.name == name and p.timer is not None]
         in_line = [p for p in waiting if p.first_ms >= 0]  # (copies of a running id are not)
-        woken = [p for p in waiting if p.first_ms < 0 and p.req.id == ended_id]
+        woken = [p for p in waiting if p.first_ms < 0 and permit_id_of(p.req) == ended_id]
         if in_line:
             woken.append(min(in_line, key=lambda p: p.position))
         for parked in woken:

@@ -216,7 +216,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
 def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> None:
-    """Force-release PERMIT_ID (a task id) from the semaphore NAME.
+    """Force-release PERMIT_ID (a task id, as status shows it) from the semaphore NAME.
 
     For a holder known to be gone. The release is logged (with user and host). A task that is in
     fact still running finds its permit lost at its next heartbeat (or its release, if it ends

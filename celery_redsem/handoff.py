@@ -14,6 +14,7 @@ import os
 from contextlib import suppress
 from typing import Any
 
+from .permit_ids import permit_id_of
 from .permits import Permit
 
 __all__ = ["GRANT_FIELD", "clear_grant", "hand_over", "take_over"]
@@ -62,7 +63,7 @@ def take_over(request: Any, name: str, prefix: str, lease: float) -> tuple[Permi
     secret, permit_id, granted_name, granted_prefix, token, expires_at, granted_at = value
     if (
         secret != _SECRET
-        or permit_id != request.id
+        or permit_id != permit_id_of(request)
         or granted_name != name
         or granted_prefix != prefix
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in (token, expires_at))

@@ -1,6 +1,8 @@
 """What a guarded task does when it runs: name its semaphore, get a permit or retry, run, release.
 
-In a worker the permit id is the task id, stable across retries and redelivery. The task asks
+In a worker the permit id is the task id, stable across contention retries and redelivery (a
+run that the task's own ``self.retry()`` or ``replace()`` queued gets one of its own:
+:func:`~celery_redsem.permit_ids.run_permit_id`). The task asks
 once (:meth:`~celery_redsem.FairSemaphore.attempt`, joining the FIFO line); without a permit it
 waits for it in its worker slot if it is near (:func:`~celery_redsem.backoff.head_wait_budget`),
 else it re-publishes itself with a countdown and raises Celery's ``Retry``, its place in line
@@ -56,6 +58,7 @@ from .errors import REDIS_ERRORS, AcquireTimeout, BackendError, ConfigurationErr
 from .handoff import take_over
 from .heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
 from .keys import validate_name
+from .permit_ids import permit_id_of
 from .permits import Permit, Waiting
 from .semaphore import FairSemaphore, socket_timeout
 
@@ -280,7 +283,7 @@ class TaskGuard:
         confirmed_at: float | None = None  # when the lease surely had not started yet
         if request is None or request.called_directly or request.is_eager:
             sem = self.semaphore(app, name, config)
-            pid = (request.id if request is not None else None) or uuid.uuid4().hex
+            pid = permit_id_of(request) if request is not None and request.id else uuid.uuid4().hex
             permit = self._acquire_blocking(sem, pid, task_name, config)
         else:
             assert task is not None
@@ -425,9 +428,10 @@ class TaskGuard:
     ) -> Permit:
         """Ask once; wait in the slot if the permit is near, else re-publish with a countdown."""
         task_id = cast(str, request.id)
+        permit_id = permit_id_of(request)  # this run's: see run_permit_id
         queue = _queue_of(task, request)
         waiter_lease = present_waiter_lease(config)
-        result = _attempt(sem, task_id, waiter_lease=waiter_lease)
+        result = _attempt(sem, permit_id, waiter_lease=waiter_lease)
         now_ms = _server_ms(result, waiter_lease)
         if wait.due_ms and not wait.offline_ms:  # back from a contention retry: how late?
             return_delays.observe(queue, (now_ms - wait.due_ms) / 1000)
@@ -451,20 +455,20 @@ class TaskGuard:
             budget = min(budget, max_wait - waited)
         if budget > 0:
             result = _wait_in_slot(
-                sem, task_id, result, waiter_lease=waiter_lease, seconds=budget, hold=hold
+                sem, permit_id, result, waiter_lease=waiter_lease, seconds=budget, hold=hold
             )
             if isinstance(result, Permit):
                 return result
             now_ms = _server_ms(result, waiter_lease)
             waited = max(0, now_ms - first_ms) / 1000
         if max_wait is not None and waited >= max_wait:
-            _release(sem, task_id)
+            _release(sem, permit_id)
             raise AcquireTimeout(
                 f"task {task.name}[{task_id}] waited {waited:.1f}s for a permit of {sem.name!r} "
                 f"(limit {sem.limit}) and gave up (max_wait={max_wait}s, {wait.attempts} "
                 f"retries, position {result.position} in line)",
                 name=sem.name,
-                permit_id=task_id,
+                permit_id=permit_id,
             )
         countdown = contention_countdown(
             attempt=wait.attempts,
@@ -482,7 +486,9 @@ class TaskGuard:
         # delay learnt for this queue; until then its place does not hold a free permit (one
         # goes to whoever is present, in line order), and the place outlives that by the margin.
         back_in = countdown + return_delays.estimate(queue)
-        again = _attempt(sem, task_id, waiter_lease=back_in + config.waiter_margin, back_in=back_in)
+        again = _attempt(
+            sem, permit_id, waiter_lease=back_in + config.waiter_margin, back_in=back_in
+        )
         if isinstance(again, Permit):
             return again
         due_ms = now_ms + round(countdown * 1000)
@@ -596,7 +602,7 @@ class TaskGuard:
             sig.apply_async()
         except Exception:
             if release is not None:
-                _release(release, cast(str, request.id))
+                _release(release, permit_id_of(request))
             raise
         return Retry(
             f"{reason}; asking again in {countdown:.3f}s",
@@ -611,15 +617,16 @@ class TaskGuard:
         task_name: str,
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
-        task_id: str,
+        permit_id: str,
     ) -> bool:
-        """Give up whatever permit or place ``task_id`` has (main process, after the child died)."""
+        """Give up whatever permit or place the task run ``permit_id`` has (main process, after
+        the child died)."""
         try:
             name = self.name_for(task_name, args, kwargs)
         except (KeyFunctionError, TypeError) as exc:
-            logger.debug("celery_redsem: no semaphore for %s[%s]: %s", task_name, task_id, exc)
+            logger.debug("celery_redsem: no semaphore for %s[%s]: %s", task_name, permit_id, exc)
             return False
-        return _release(self.semaphore(app, name), task_id) is True
+        return _release(self.semaphore(app, name), permit_id) is True
 
 
 def _optional_seconds(

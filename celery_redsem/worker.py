@@ -46,6 +46,7 @@ from celery.worker.request import Request
 from .admission import install_admission
 from .config import get_client, get_config
 from .errors import REDIS_ERRORS, RedsemError, is_transient
+from .permit_ids import permit_id_of
 from .semaphore import RedisClient
 from .task_guard import call_arguments, guards_of, iter_guarded_tasks
 
@@ -63,17 +64,20 @@ _WITH_TRACEBACK: Any = getattr(billiard.einfo, "ExceptionWithTraceback", ())
 _CHILD_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
 
 
-def release_task(task: Task[Any, Any], task_id: str, args: Any, kwargs: Any) -> int:
-    """Release every permit or place that ``task_id`` has for ``task``'s guards; how many."""
+def release_task(task: Task[Any, Any], request: Any) -> int:
+    """Release every permit or place that the run ``request`` (a worker ``Request``) has for
+    ``task``'s guards; how many."""
     guards = guards_of(task)
+    task_id = request.id
     if not guards or not task_id:
         return 0
-    call_args = call_arguments(task, args)
+    permit_id = permit_id_of(request)
+    call_args = call_arguments(task, request.args)
     released = 0
     for guard in guards:
         try:
             released += guard.release_by_id(
-                task.app, task.name, call_args, dict(kwargs or {}), task_id
+                task.app, task.name, call_args, dict(request.kwargs or {}), permit_id
             )
         except RedsemError as exc:
             logger.warning("celery_redsem: could not release %s[%s]: %s", task.name, task_id, exc)
@@ -101,7 +105,7 @@ class ReleasingRequest(Request):
         task = self.task
         if task is not None and not self._redsem_released:
             self._redsem_released = True
-            release_task(task, self.id, self.args, self.kwargs)
+            release_task(task, self)
 
     def _redsem_kill_child(self) -> bool:
         """SIGKILL the child process running this task (the pool is about to): True if there
@@ -256,4 +260,4 @@ def _on_task_revoked(
 ) -> None:
     if terminated or request is None or not isinstance(sender, Task):
         return  # a terminated task is released in its child, or on Terminated
-    release_task(sender, request.id, request.args, request.kwargs)
+    release_task(sender, request)

@@ -213,6 +213,32 @@ def forged_grant_runs_nothing(app: Celery, key: str) -> None:
     assert result.get(timeout=20)["token"] > blocker.token
 
 
+def retried_run_waits_for_the_run_that_queued_it(app: Celery, key: str) -> None:
+    """``self.retry()`` queues the next run (same task id) before the body ends: that run must
+    not share the ending run's permit; the lock stays the ending run's until its release."""
+    prefix = app.conf.redsem_key_prefix
+    counter = redis.Redis.from_url(app.conf.broker_url)
+    result = app.tasks["t.retries_inside"].delay(key)
+    sem = holder(app, f"again:{key}")
+    log_key = f"{prefix}:t:log:{key}"
+    wait_until(  # the second run asked: it waits in line (or, wrongly, it runs already)
+        lambda: (
+            len(counter.lrange(log_key, 0, -1)) > 1
+            or any(w.permit_id != result.id for w in sem.state().waiters)
+        ),
+        20,
+        what="the retried run to ask for the lock",
+    )
+    counter.rpush(f"{prefix}:t:go:{key}", 1)
+    out = result.get(timeout=30)
+    log = [e.decode() for e in counter.lrange(log_key, 0, -1)]
+    assert log == [f"start {result.id}", f"end {result.id}"] * 2
+    assert int(counter.get(f"{prefix}:t:max:{key}") or 0) == 1
+    assert out == {"retries": 1, "permit_id": f"{result.id}~1"}
+    wait_until(lambda: sem.state().holders == [], 5, what="the lock freed")
+    counter.close()
+
+
 @contextlib.contextmanager
 def running_workers(
     redis_url: str,

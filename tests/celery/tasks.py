@@ -190,7 +190,9 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
 
     @app.task(shared=False, bind=True, name="t.until_killed")
     @with_lock(key=lambda key: f"killed:{key}", lease=10.0)
-    def until_killed(self: Any, key: str) -> str:
+    def until_killed(self: Any, key: str, retry_first: bool = False) -> str:
+        if retry_first and not self.request.retries:
+            raise self.retry(countdown=0)  # the killed run is the retried one
         counter().set(f"{prefix}:t:pid:{key}", os.getpid())
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -284,6 +286,31 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     @with_lock(key=lambda key: f"long:{key}", lease=30.0, lost_lease_policy="raise")
     def held_long_raises(key: str) -> str:
         return held_until_go(key)
+
+    @app.task(shared=False, bind=True, name="t.retries_inside", max_retries=1)
+    @with_lock(key=lambda key: f"again:{key}")
+    def retries_inside(self: Any, key: str) -> dict[str, Any]:
+        """Publishes its own retry, then holds on until the test pushes to ``t:go:<key>``."""
+        enter(key, self.request.id)
+        try:
+            if self.request.retries == 0:
+                retry = self.retry(countdown=0, throw=False)  # the next run is queued now
+                counter().blpop([f"{prefix}:t:go:{key}"], timeout=20)
+                raise retry
+        finally:
+            leave(key, self.request.id)
+        held = current_permit()
+        assert held is not None
+        return {"retries": self.request.retries, "permit_id": held.id}
+
+    @app.task(shared=False, bind=True, name="t.replaced", max_retries=0)
+    @with_lock(key=lambda key: f"replaced:{key}")
+    def replaced(self: Any, key: str) -> dict[str, Any]:
+        if not self.request.replaced_task_nesting:
+            raise self.replace(self.s(key))  # queued under the same task id
+        held = current_permit()
+        assert held is not None
+        return {"nesting": self.request.replaced_task_nesting, "permit_id": held.id}
 
     @app.task(shared=False, bind=True, name="t.ways_out", max_retries=1)
     @with_lock(key=lambda key: f"ways:{key}")

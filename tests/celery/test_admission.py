@@ -19,6 +19,7 @@ from tests.celery.conftest import (
     blocked,
     forged_grant_runs_nothing,
     holder,
+    retried_run_waits_for_the_run_that_queued_it,
     running_workers,
 )
 from tests.servers import wait_until
@@ -397,3 +398,11 @@ def test_two_deliveries_of_one_task_id_run_one_after_the_other(
 
 def _reserved_ids(inspect: Any) -> list[str]:
     return [str(t["id"]) for ts in (inspect.reserved() or {}).values() for t in ts]
+
+
+def test_a_run_the_body_retried_into_is_parked_until_the_run_that_queued_it_ends(
+    app: Celery, admitting_workers: list[WorkerProcess], key: str
+) -> None:
+    # Admission asks for the retried run under its own permit id: it is parked, not handed
+    # the ending run's grant (and not mistaken for a second delivery of that run).
+    retried_run_waits_for_the_run_that_queued_it(app, key)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from celery import Celery
 from celery.app.task import Context
+from celery.contrib.testing.mocks import TaskMessage
+from celery.worker.request import Request
 
 from celery_redsem import Permit
 from celery_redsem.handoff import GRANT_FIELD, clear_grant, hand_over, take_over
+from celery_redsem.permit_ids import permit_id_of, run_permit_id
+from tests.celery.conftest import close_app
 
 PERMIT = Permit("task-1", "report:7", 42, 1_800_000_000_000, 5.0, "redsem")
 
@@ -49,3 +54,33 @@ def test_clear_grant_removes_a_stale_one() -> None:
     clear_grant(request_dict)
     assert GRANT_FIELD not in request_dict
     clear_grant(request_dict)  # nothing there: fine
+
+
+def test_a_run_queued_by_the_task_itself_has_a_permit_id_of_its_own() -> None:
+    assert run_permit_id("t") == "t"
+    assert run_permit_id("t", 2) == "t~2"
+    assert run_permit_id("t", 0, 1) == "t~0.1"
+    assert run_permit_id("t", 3, 2) == "t~3.2"
+    for junk in (None, -1, True, "2", 1.5):  # a message's numbers are not trusted
+        assert run_permit_id("t", junk, junk) == "t"
+    # In the child (Context) and in the main process (a worker Request's request_dict) alike.
+    assert permit_id_of(Context({"id": "t", "retries": 1})) == "t~1"
+
+    app = Celery("handoff", set_as_current=False)
+
+    @app.task(name="t.x")
+    def x() -> None:
+        """A task for the message to name."""
+
+    message = TaskMessage("t.x", id="t", retries=1, replaced_task_nesting=1)  # a real message
+    assert permit_id_of(Request(message, app=app)) == "t~1.1"
+    close_app(app)
+
+
+def test_a_grant_is_taken_over_only_by_the_run_it_was_made_for() -> None:
+    retried = Permit("task-1~1", "report:7", 42, 1_800_000_000_000, 5.0, "redsem")
+    request_dict: dict[str, object] = {"retries": 1}
+    hand_over(request_dict, retried, 1.0)
+    assert take_over(_request(request_dict), "report:7", "redsem", 5.0) == (retried, 1.0)
+    hand_over(request_dict, PERMIT, 1.0)  # the first run's grant, on the retried run
+    assert take_over(_request(request_dict), "report:7", "redsem", 5.0) is None

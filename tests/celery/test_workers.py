@@ -15,7 +15,12 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLo
 
 from celery_redsem import PermitLost
 from celery_redsem.worker import has_child_processes
-from tests.celery.conftest import WorkerProcess, holder, running_workers
+from tests.celery.conftest import (
+    WorkerProcess,
+    holder,
+    retried_run_waits_for_the_run_that_queued_it,
+    running_workers,
+)
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -87,13 +92,17 @@ def test_limit_is_never_exceeded_across_workers(app: Celery, workers: list[Worke
         assert state.waiters == []
 
 
+@pytest.mark.parametrize("retried", [False, True])
 def test_sigkill_of_a_child_frees_its_permit_from_the_main_process(
-    app: Celery, workers: list[WorkerProcess], key: str
+    app: Celery, workers: list[WorkerProcess], key: str, retried: bool
 ) -> None:
-    result = app.tasks["t.until_killed"].delay(key)  # lease 10 s: only a release frees it soon
+    # lease 10 s: only a release frees it soon; a run the task's own retry queued has a permit
+    # id of its own, which the main process must work out from the message too.
+    result = app.tasks["t.until_killed"].delay(key, retry_first=retried)
     pid = _pid(app, key)
     sem = holder(app, f"killed:{key}")
-    assert [h.permit_id for h in sem.state().holders] == [result.id]
+    run_id = f"{result.id}~1" if retried else result.id
+    assert [h.permit_id for h in sem.state().holders] == [run_id]
     os.kill(pid, signal.SIGKILL)  # the child can run nothing: the main process releases
     wait_until(lambda: sem.state().holders == [], 8, what="permit freed")
     assert _released_by_main_process(workers, result.id)
@@ -224,6 +233,22 @@ def test_a_permit_taken_away_before_any_refresh_is_reported_when_the_body_ends(
         10,
         what="the loss in a worker's log",
     )
+
+
+def test_a_run_the_body_retried_into_waits_for_the_run_that_queued_it(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    retried_run_waits_for_the_run_that_queued_it(app, key)
+
+
+def test_a_replacement_run_has_a_permit_of_its_own(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    # self.replace() queues the replacement under the same task id before the body ends.
+    result = app.tasks["t.replaced"].delay(key)
+    assert result.get(timeout=30) == {"nesting": 1, "permit_id": f"{result.id}~0.1"}
+    sem = holder(app, f"replaced:{key}")
+    wait_until(lambda: sem.state().holders == [], 5, what="the lock freed")
 
 
 def test_cold_shutdown_frees_the_permit_from_the_main_process(
