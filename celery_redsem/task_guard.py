@@ -96,7 +96,6 @@ _entered: ContextVar[tuple[_Entered, ...]] = ContextVar("celery_redsem_entered",
 _GUARD_ATTR = "__redsem_guard__"
 _BLOCK_SLICE = 1.0  # one BLPOP stays well inside the default 2 s socket timeout
 _MIN_POLL = 0.005
-_NAMED_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def current_permit() -> HeldPermit | None:
@@ -181,17 +180,20 @@ class TaskGuard:
         for p in params.values():
             if p.kind is p.VAR_KEYWORD:
                 return None
-            if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+            if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
+                # Never given anything: the key is called with the task's arguments by name.
+                what = "positional-only" if p.kind is p.POSITIONAL_ONLY else "*args"
                 raise ConfigurationError(
-                    f"key function {_describe(key)} of {where}: parameter {p.name!r} is "
-                    "positional-only; the key receives the task's arguments by name"
+                    f"key function {_describe(key)} of {where}: parameter {p.name!r} is {what}, "
+                    "but the key receives the task's arguments by name; name the ones it uses "
+                    "(key=lambda account_id: ...) or take **kwargs"
                 )
-            if p.kind not in _NAMED_KINDS:
-                continue
-            if p.name not in task_params and not task_takes_kwargs and p.default is p.empty:
+            if p.name not in task_params and not task_takes_kwargs:
+                # A default would be used for every call: every call would share one name.
                 raise ConfigurationError(
                     f"key function {_describe(key)} of {where} asks for {p.name!r}, which is not "
                     f"a parameter of {where}{self.signature}"
+                    + ("" if p.default is p.empty else " (its default would name every call)")
                 )
             names.append(p.name)
         return names

@@ -26,6 +26,9 @@ def test_a_wrong_limit_fails_at_decoration(limit: object) -> None:
     ("key", "fragment"),
     [
         (lambda acount_id: acount_id, "asks for 'acount_id', which is not a parameter"),
+        (lambda acount_id=None: f"{acount_id}", "its default would name every call"),
+        (lambda *a: f"acct:{a[0]}", "'a' is [*]args"),
+        (lambda account_id="zz", /: account_id, "'account_id' is positional-only"),
         ("a{b}", "must not contain"),
         ("", "must not be empty"),
         (42, "must be a str or a callable"),
