@@ -6,7 +6,8 @@ helpers in ``_common.lua`` are inserted at load time where the script has the li
 which runs on every task start and end: creating the helpers is a measurable part of its
 cost on the server.) :class:`LuaScript` runs a script in one
 round trip with ``EVALSHA`` and falls back to ``SCRIPT LOAD`` when the server answers
-``NOSCRIPT`` (after a restart or ``SCRIPT FLUSH``), so callers never see that error.
+``NOSCRIPT`` (after a restart or ``SCRIPT FLUSH``), and to ``EVAL`` if the cache was flushed
+again before the reload ran, so callers never see that error.
 """
 
 from __future__ import annotations
@@ -64,9 +65,13 @@ class LuaScript:
             return self.load_and_call(client, keys, args)
 
     def load_and_call(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Load the script (the server answered ``NOSCRIPT``), then run it."""
+        """Load the script (the server answered ``NOSCRIPT``), then run it; if the cache was
+        flushed again in between, run it from its source (``EVAL``, which caches it too)."""
         client.script_load(self.source)
-        return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        try:
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
     def __repr__(self) -> str:
         return f"<LuaScript {self.filename} {self.sha[:8]}>"

@@ -296,6 +296,28 @@ def test_script_flush_does_not_break_callers(redis_client, prefix):
     assert sem.acquire() is not None
 
 
+class FlushedAfterEachLoad(redis.Redis):
+    """A real client whose script cache another client flushes right after each load."""
+
+    def script_load(self, script):  # type: ignore[no-untyped-def]
+        sha = super().script_load(script)
+        other = redis.Redis(connection_pool=self.connection_pool)
+        other.script_flush()
+        return sha
+
+
+def test_a_flush_between_loading_and_running_a_script_does_not_break_callers(redis_url, prefix):
+    if os.environ.get(ENV_URL):
+        pytest.skip("SCRIPT FLUSH would empty the script cache of a server the tests share")
+    client = FlushedAfterEachLoad.from_url(redis_url)
+    client.script_flush()
+    sem = make(client, prefix)
+    permit = sem.acquire()  # NOSCRIPT, load, NOSCRIPT again: run from source
+    assert permit is not None
+    assert sem.release(permit) is True
+    client.close()
+
+
 class CountingConnection(redis.Connection):
     """A real connection that counts the requests it writes to the socket."""
 
@@ -324,6 +346,7 @@ def test_each_operation_is_one_round_trip(redis_url, prefix):
         assert CountingConnection.sent - before == 1
     permit = sem.state().holders[0]
     held = Permit(permit.permit_id, "sem", permit.token, permit.expires_at, 10.0, prefix)
+    sem.refresh(held)  # may load refresh.lua
     before = CountingConnection.sent
     sem.refresh(held)
     sem.release(held)
@@ -601,3 +624,42 @@ def test_a_release_wakes_the_first_due_waiter_not_one_that_is_away(redis_client,
     assert got
     assert got[0] is not None
     assert time.monotonic() - released_at < 5  # woken: its poll alone would take 10 s
+
+
+@pytest.mark.parametrize("lost", ["waiter_expiry", "waiter_due"])
+def test_a_line_key_lost_and_made_again_gets_a_ttl(redis_client, prefix, lost):
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    assert sem.acquire() is not None
+    sem.attempt("first", join_line=True, waiter_lease=60)
+    key = getattr(sem.keys, lost)
+    redis_client.delete(key)  # e.g. evicted, or deleted by hand
+    sem.attempt("second", join_line=True, waiter_lease=60)  # writes the key afresh
+    assert redis_client.pttl(key) > 0  # not immortal
+
+
+def test_places_whose_waiter_leases_were_lost_leave_the_line(redis_client, prefix):
+    # With the waiter-expiry key gone, nothing says when those places end: they count as
+    # lapsed, and a live waiter is not kept behind them while the permit is free.
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    holder = sem.acquire()
+    assert holder is not None
+    sem.attempt("gone-1", join_line=True, waiter_lease=60)
+    sem.attempt("gone-2", join_line=True, waiter_lease=60)
+    redis_client.delete(sem.keys.waiter_expiry)
+    assert sem.release(holder)
+    assert [w.permit_id for w in sem.waiters()] == []
+    assert isinstance(sem.attempt("alive", join_line=True, waiter_lease=60), Permit)
+
+
+def test_more_lapsed_places_than_one_sweep_batch_are_all_swept(redis_client, prefix):
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    holder = sem.acquire()
+    assert holder is not None
+    for n in range(2500):  # 2.5 sweep batches of places that will lapse
+        sem.attempt(f"w{n}", join_line=True, waiter_lease=2.0)
+    expires = max(w.expires_at for w in sem.waiters())
+    wait_until(lambda: server_ms(redis_client) > expires, timeout=5, what="the places to lapse")
+    assert redis_client.zcard(sem.keys.waiters) > 2000  # still there: nothing swept them yet
+    assert sem.release(holder)
+    assert isinstance(sem.attempt("newcomer"), Permit)  # nobody live is ahead of it
+    assert sem.waiters() == []

@@ -46,7 +46,7 @@ end
 -- time on every call, so they are built on demand: `local h = helpers()`.
 local function helpers()
   local h = {}
-  local SWEEP_BATCH = 1000
+  local SWEEP_BATCH, SWEEP_ROUNDS = 1000, 10
 
   -- A holder entry '<token>:<expiry>' as two numbers.
   function h.parse(entry)
@@ -136,15 +136,42 @@ local function helpers()
     return held, earliest
   end
 
-  -- Remove waiters whose waiter lease ended. Returns the number still in line.
+  -- Remove waiters whose waiter lease ended (up to SWEEP_ROUNDS batches a call, so that a
+  -- crowd of lapsed places cannot block the server long; the next calls take the rest), and
+  -- places with no waiter lease at all (their wexp entry was lost with the key: a DEL, an
+  -- eviction). Returns the number still in line.
   function h.sweep_waiters(waiters, wexp, wdue, now)
-    local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
-    if #left > 0 then
-      redis.call('ZREM', wexp, unpack(left))
-      redis.call('ZREM', waiters, unpack(left))
-      redis.call('ZREM', wdue, unpack(left))
+    for _ = 1, SWEEP_ROUNDS do
+      local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
+      if #left > 0 then
+        redis.call('ZREM', wexp, unpack(left))
+        redis.call('ZREM', waiters, unpack(left))
+        redis.call('ZREM', wdue, unpack(left))
+      end
+      if #left < SWEEP_BATCH then
+        break
+      end
     end
-    return redis.call('ZCARD', waiters)
+    local queued = redis.call('ZCARD', waiters)
+    if queued > redis.call('ZCARD', wexp) then
+      local orphans = {}
+      for start = 0, queued - 1, 100 do
+        local ids = redis.call('ZRANGE', waiters, start, start + 99)
+        local until_ms = redis.call('ZMSCORE', wexp, unpack(ids))
+        for i, id in ipairs(ids) do
+          if not until_ms[i] then
+            orphans[#orphans + 1] = id
+          end
+        end
+      end
+      for i = 1, #orphans, SWEEP_BATCH do
+        local batch = {unpack(orphans, i, math.min(i + SWEEP_BATCH - 1, #orphans))}
+        redis.call('ZREM', waiters, unpack(batch))
+        redis.call('ZREM', wdue, unpack(batch))
+      end
+      queued = queued - #orphans
+    end
+    return queued
   end
 
   -- Push a wake-up to the first `free` waiters that are due (a waiter away on a countdown
@@ -174,12 +201,13 @@ local function helpers()
     end
   end
 
-  -- Let a zset live until `at` (ms); `fresh`: this script just created it (no TTL yet).
+  -- Let a zset live until `at` (ms) or later; `fresh`: this script just created it (no TTL
+  -- yet). A key re-created by this script after it was lost (a DEL, an eviction) has no TTL
+  -- either, which GT leaves alone: it gets one here.
   function h.extend(key, at, fresh)
-    if fresh then
+    if fresh or (redis.call('PEXPIREAT', key, at, 'GT') == 0
+        and redis.call('PTTL', key) == -1) then
       redis.call('PEXPIREAT', key, at)
-    else
-      redis.call('PEXPIREAT', key, at, 'GT')
     end
   end
 
