@@ -692,7 +692,7 @@ def _read_wait_header(request: Context) -> WaitState:
 
 def _wait_in_slot(
     sem: FairSemaphore,
-    task_id: str,
+    permit_id: str,
     result: Waiting,
     *,
     waiter_lease: float,
@@ -705,7 +705,7 @@ def _wait_in_slot(
     waiters that are away, asks again after about one release (``hold / limit``) instead.
     """
     deadline = time.monotonic() + seconds
-    wake = sem.keys.wake(task_id)
+    wake = sem.keys.wake(permit_id)
     poll = _BLOCK_SLICE if hold is None else min(_BLOCK_SLICE, max(_MIN_POLL, hold / sem.limit))
     while True:
         remaining = deadline - time.monotonic()
@@ -717,7 +717,7 @@ def _wait_in_slot(
             raise BackendError(
                 f"Redis failed while waiting for {sem.name!r}: {exc}", name=sem.name
             ) from exc
-        attempt = _attempt(sem, task_id, waiter_lease=waiter_lease)
+        attempt = _attempt(sem, permit_id, waiter_lease=waiter_lease)
         if isinstance(attempt, Permit):
             return attempt
         result = attempt
@@ -739,20 +739,20 @@ def present_waiter_lease(config: RedsemConfig) -> float:
 
 
 def _attempt(
-    sem: FairSemaphore, task_id: str, *, waiter_lease: float, back_in: float = 0.0
+    sem: FairSemaphore, permit_id: str, *, waiter_lease: float, back_in: float = 0.0
 ) -> Permit | Waiting:
-    """One try that keeps the task's place in line.
+    """One try that keeps the task run's place in line (``permit_id``: see :func:`permit_id_of`).
 
     A grant that too few replicas acknowledged in time was given back (``min_replicas``): that
     is a fault of the deployment, retried like a Redis error.
     """
-    result = sem.attempt(task_id, join_line=True, waiter_lease=waiter_lease, back_in=back_in)
+    result = sem.attempt(permit_id, join_line=True, waiter_lease=waiter_lease, back_in=back_in)
     if isinstance(result, Waiting) and not result.expires_at:
         raise BackendError(
             f"a permit of {sem.name!r} was granted but not acknowledged by "
             f"min_replicas={sem.min_replicas} replicas in time, so it was given back",
             name=sem.name,
-            permit_id=task_id,
+            permit_id=permit_id,
         )
     return result
 
