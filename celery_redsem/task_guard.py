@@ -96,6 +96,7 @@ _entered: ContextVar[tuple[_Entered, ...]] = ContextVar("celery_redsem_entered",
 _GUARD_ATTR = "__redsem_guard__"
 _BLOCK_SLICE = 1.0  # one BLPOP stays well inside the default 2 s socket timeout
 _MIN_POLL = 0.005
+_NAMED_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def current_permit() -> HeldPermit | None:
@@ -176,26 +177,33 @@ class TaskGuard:
             raise ConfigurationError(f"cannot inspect key function of {where}: {exc}") from None
         task_params = self.signature.parameters
         task_takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in task_params.values())
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return None  # it takes whatever it is given
         names: list[str] = []
         for p in params.values():
-            if p.kind is p.VAR_KEYWORD:
-                return None
-            if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
-                # Never given anything: the key is called with the task's arguments by name.
-                what = "positional-only" if p.kind is p.POSITIONAL_ONLY else "*args"
+            if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
                 raise ConfigurationError(
-                    f"key function {_describe(key)} of {where}: parameter {p.name!r} is {what}, "
-                    "but the key receives the task's arguments by name; name the ones it uses "
-                    "(key=lambda account_id: ...) or take **kwargs"
+                    f"key function {_describe(key)} of {where}: parameter {p.name!r} is "
+                    "positional-only; the key receives the task's arguments by name"
                 )
-            if p.name not in task_params and not task_takes_kwargs:
-                # A default would be used for every call: every call would share one name.
+            if p.kind not in _NAMED_KINDS:
+                continue  # *args, or positional-only with a default: never given a value
+            if p.name not in task_params and not task_takes_kwargs and p.default is p.empty:
                 raise ConfigurationError(
                     f"key function {_describe(key)} of {where} asks for {p.name!r}, which is not "
                     f"a parameter of {where}{self.signature}"
-                    + ("" if p.default is p.empty else " (its default would name every call)")
                 )
             names.append(p.name)
+        receivable = [n for n in names if n in task_params or task_takes_kwargs]
+        if params and not receivable:
+            # Parameters, but none the task's arguments can fill (a misspelt name with a
+            # default, only *args): every call would get one and the same name.
+            raise ConfigurationError(
+                f"key function {_describe(key)} of {where} takes none of the task's arguments "
+                f"({', '.join(params)} against {where}{self.signature}), so every call would "
+                "share one semaphore; name the arguments it uses (key=lambda account_id: ...), "
+                "or pass a str key for one semaphore for all calls"
+            )
         return names
 
     # -- naming the semaphore ----------------------------------------------------------------

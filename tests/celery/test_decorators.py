@@ -26,9 +26,10 @@ def test_a_wrong_limit_fails_at_decoration(limit: object) -> None:
     ("key", "fragment"),
     [
         (lambda acount_id: acount_id, "asks for 'acount_id', which is not a parameter"),
-        (lambda acount_id=None: f"{acount_id}", "its default would name every call"),
-        (lambda *a: f"acct:{a[0]}", "'a' is [*]args"),
-        (lambda account_id="zz", /: account_id, "'account_id' is positional-only"),
+        (lambda acount_id=None: f"{acount_id}", "takes none of the task's arguments"),
+        (lambda *a: f"acct:{a[0]}", "takes none of the task's arguments"),
+        (lambda account_id="zz", /: account_id, "takes none of the task's arguments"),
+        (lambda acct, /: acct, "'acct' is positional-only"),
         ("a{b}", "must not contain"),
         ("", "must not be empty"),
         (42, "must be a str or a callable"),
@@ -100,6 +101,32 @@ def test_key_with_kwargs_gets_everything() -> None:
         with_semaphore(2, key=lambda account_id: None)(buy_item).__redsem_guard__.name_for(
             "t", (None, 1, 2), {}
         )  # type: ignore[attr-defined]
+
+
+def _make_key(account_id: int, prefix: str) -> str:
+    return f"{prefix}:{account_id}"
+
+
+def _any_key(*args: Any, **kwargs: Any) -> str:
+    return f"acct:{kwargs['account_id']}"
+
+
+REGION = "eu"
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        (functools.partial(_make_key, prefix="acct"), "acct:7"),
+        (lambda account_id, region=REGION: f"{region}:{account_id}", "eu:7"),  # captured value
+        (_any_key, "acct:7"),
+        (lambda account_id, *rest: f"acct:{account_id}", "acct:7"),
+        (lambda: "everyone", "everyone"),  # no parameters: one name on purpose
+    ],
+)
+def test_key_functions_the_task_can_fill_are_accepted(key: Any, name: str) -> None:
+    guard = with_semaphore(2, key=key)(buy_item).__redsem_guard__  # type: ignore[attr-defined]
+    assert guard.name_for("t", (None, 7, 8), {}) == name
 
 
 def test_celery_checks_the_arguments_of_a_guarded_task_when_it_is_sent() -> None:
