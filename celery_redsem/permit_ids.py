@@ -11,11 +11,16 @@ retry or a replace queued the run (:func:`run_permit_id`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from typing import Any
 
-__all__ = ["new_permit_id", "permit_id_of", "run_permit_id"]
+__all__ = ["MAX_PERMIT_ID_LENGTH", "new_permit_id", "permit_id_of", "run_permit_id"]
+
+#: The longest permit id a semaphore takes (its keys and replies stay small).
+MAX_PERMIT_ID_LENGTH = 256
+RUN_MARK = "~"  # starts the suffix of a task run's permit id
 
 
 class _PermitIds:
@@ -51,11 +56,20 @@ def run_permit_id(task_id: str, retries: object = 0, replaced_task_nesting: obje
     must not share that body's permit: acquiring is idempotent per id, it would get the same
     grant back, and the ending run's release would free it under the new run. Redeliveries of
     one run (and its contention retries, which keep ``retries``) share its id and its permit.
+
+    No two runs map to one id: a task id that contains ``~`` always gets the suffix (``~0``
+    on its first run), so the last ``~`` always starts the suffix of a suffixed id. An id
+    longer than :data:`MAX_PERMIT_ID_LENGTH` is replaced by ``#`` and a hash of the task id.
     """
     retry_count, nesting = _count(retries), _count(replaced_task_nesting)
-    if not retry_count and not nesting:
-        return task_id
-    return f"{task_id}~{retry_count}" + (f".{nesting}" if nesting else "")
+    if not retry_count and not nesting and RUN_MARK not in task_id:
+        run_id = task_id
+    else:
+        run_id = f"{task_id}{RUN_MARK}{retry_count}" + (f".{nesting}" if nesting else "")
+    if len(run_id) <= MAX_PERMIT_ID_LENGTH:
+        return run_id
+    digest = hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return "#" + digest + run_id[len(task_id) :]
 
 
 def permit_id_of(request: Any) -> str:

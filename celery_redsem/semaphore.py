@@ -29,7 +29,7 @@ from .errors import (
 )
 from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
 from .node_batch import run_on_nodes
-from .permit_ids import new_permit_id
+from .permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
 from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
 from .replication import connected_replicas, forget_primary, run_acknowledged
 from .scripts import ACQUIRE, REFRESH, RELEASE, STATE, LuaScript
@@ -43,7 +43,6 @@ RedisClient = redis.Redis | RedisCluster
 DEFAULT_LEASE = 10.0
 DEFAULT_IDLE_TTL = 60.0
 DEFAULT_REPLICA_TIMEOUT = 0.5
-MAX_PERMIT_ID_LENGTH = 256
 MARK_RENEWAL = b":1"  # appended to acquire.lua's settings: mark a renewal in the reply ...
 RENEWED = ":renewed"  # ... with this suffix
 

@@ -136,10 +136,10 @@ local function helpers()
     return held, earliest
   end
 
-  -- Remove waiters whose waiter lease ended (up to SWEEP_ROUNDS batches a call, so that a
-  -- crowd of lapsed places cannot block the server long; the next calls take the rest), and
-  -- places with no waiter lease at all (their wexp entry was lost with the key: a DEL, an
-  -- eviction). Returns the number still in line.
+  -- Remove waiters whose waiter lease ended, and places with no waiter lease at all (their
+  -- wexp entry was lost with the key: a DEL, an eviction). Each kind at most SWEEP_ROUNDS
+  -- batches a call, from the head of the line, so that a crowd of dead places cannot block
+  -- the server long; the next calls take the rest. Returns the number still in line.
   function h.sweep_waiters(waiters, wexp, wdue, now)
     for _ = 1, SWEEP_ROUNDS do
       local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
@@ -155,7 +155,7 @@ local function helpers()
     local queued = redis.call('ZCARD', waiters)
     if queued > redis.call('ZCARD', wexp) then
       local orphans = {}
-      for start = 0, queued - 1, 100 do
+      for start = 0, math.min(queued, SWEEP_ROUNDS * SWEEP_BATCH) - 1, 100 do
         local ids = redis.call('ZRANGE', waiters, start, start + 99)
         local until_ms = redis.call('ZMSCORE', wexp, unpack(ids))
         for i, id in ipairs(ids) do

@@ -63,6 +63,19 @@ def test_a_run_queued_by_the_task_itself_has_a_permit_id_of_its_own() -> None:
     assert run_permit_id("t", 3, 2) == "t~3.2"
     for junk in (None, -1, True, "2", 1.5):  # a message's numbers are not trusted
         assert run_permit_id("t", junk, junk) == "t"
+    # A custom task id with a "~" cannot pose as another task's retried run.
+    assert run_permit_id("order-42~1") == "order-42~1~0"
+    assert run_permit_id("order-42", 1) == "order-42~1"
+    assert run_permit_id("order-42~1", 1) == "order-42~1~1"
+    # Ids past the limit (256) are hashed, so a retry of a long custom id still fits.
+    long_id = "x" * 256
+    assert run_permit_id(long_id) == long_id
+    first_retry = run_permit_id(long_id, 1)
+    assert first_retry.startswith("#")
+    assert first_retry.endswith("~1")
+    assert len(first_retry) <= 256
+    assert run_permit_id(long_id, 2) != first_retry
+    assert run_permit_id("y" * 256, 1) != first_retry
     # In the child (Context) and in the main process (a worker Request's request_dict) alike.
     assert permit_id_of(Context({"id": "t", "retries": 1})) == "t~1"
 
