@@ -60,9 +60,10 @@ class BackendError(RedsemError):
 class NotEnoughReplicas(BackendError):
     """A grant needed ``min_replicas`` acknowledgements but the primary has fewer replicas.
 
-    The grant was released, so nothing is held. A :class:`BackendError` because it is a state
-    of the deployment (no replica configured, or replicas down or resyncing during a
-    failover) rather than of the call: under Celery the task is retried, not dropped.
+    A new grant was released, so nothing is held (a renewal is left as it was). A
+    :class:`BackendError` because it is a state of the deployment (no replica configured, or
+    replicas down or resyncing during a failover) rather than of the call: under Celery the
+    task is retried, not dropped.
     """
 
     @property

@@ -259,7 +259,7 @@ class FairSemaphore:
         ).encode()
 
     def _attempt_acknowledged(self, pid: str, args: list[Any]) -> Permit | Waiting:
-        """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is given back."""
+        """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is not used."""
         try:
             reply, acked = run_acknowledged(
                 ACQUIRE,
@@ -279,10 +279,13 @@ class FairSemaphore:
             renewed = text.endswith(RENEWED)
             reply = text.removesuffix(RENEWED)
         permit = self._result(pid, reply)
-        # A renewal keeps the grant held before (acknowledged then); only a new one goes back.
-        if isinstance(permit, Waiting) or acked >= self.min_replicas or renewed:
+        if isinstance(permit, Waiting) or acked >= self.min_replicas:
             return permit
-        self.release(permit)
+        # Not acknowledged: not to be used. A new grant goes back; a renewal stays as it was
+        # (its grant may be another run's, or one whose acknowledgement was never seen: a
+        # retried call after a dropped connection renews its own first attempt).
+        if not renewed:
+            self.release(permit)
         try:
             connected = connected_replicas(self.client, self._keys[0])
         except REDIS_ERRORS as exc:
@@ -291,7 +294,7 @@ class FairSemaphore:
             forget_primary(self.client)
             raise NotEnoughReplicas(
                 f"{self.name!r} needs min_replicas={self.min_replicas} acknowledgements but the "
-                f"primary has {connected} replica(s) connected; the grant was released",
+                f"primary has {connected} replica(s) connected; the grant was not used",
                 name=self.name,
                 permit_id=pid,
             )

@@ -751,14 +751,14 @@ def _attempt(
 ) -> Permit | Waiting:
     """One try that keeps the task run's place in line (``permit_id``: see :func:`permit_id_of`).
 
-    A grant that too few replicas acknowledged in time was given back (``min_replicas``): that
+    A grant that too few replicas acknowledged in time was not used (``min_replicas``): that
     is a fault of the deployment, retried like a Redis error.
     """
     result = sem.attempt(permit_id, join_line=True, waiter_lease=waiter_lease, back_in=back_in)
     if isinstance(result, Waiting) and not result.expires_at:
         raise BackendError(
             f"a permit of {sem.name!r} was granted but not acknowledged by "
-            f"min_replicas={sem.min_replicas} replicas in time, so it was given back",
+            f"min_replicas={sem.min_replicas} replicas in time, so it was not used",
             name=sem.name,
             permit_id=permit_id,
         )
