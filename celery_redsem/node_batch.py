@@ -19,7 +19,10 @@ from redis.exceptions import AskError, MovedError, NoScriptError
 from .errors import REDIS_ERRORS
 from .scripts import LuaScript
 
-__all__ = ["run_on_nodes"]
+__all__ = ["relearn_layout", "run_on_nodes"]
+
+#: Errors that say a node could not be reached (not that it refused a call).
+_UNREACHED = (redis.ConnectionError, redis.TimeoutError)
 
 #: One script call: its keys (all in one slot) and its arguments.
 Call = tuple[Sequence[str], Sequence[Any]]
@@ -28,11 +31,21 @@ Call = tuple[Sequence[str], Sequence[Any]]
 def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call]) -> list[Any]:
     """The replies of ``calls``, in order; an exception in place of each call that failed.
 
-    A node that answers ``NOSCRIPT`` gets the script loaded and its calls sent again. A call
-    answered ``MOVED`` or ``ASK`` (its slot changed owner, or is migrating) is sent again on
-    its own through the client, which follows the redirect (and relearns the layout).
+    A node that cannot be reached makes the client relearn the layout (a replica may have
+    been promoted in its place: a dead node never answers ``MOVED``), and calls whose slot
+    now has another owner are sent there. A node that answers ``NOSCRIPT`` gets the script
+    loaded and its calls sent again. A call answered ``MOVED`` or ``ASK`` (its slot changed
+    owner, or is migrating) is sent again on its own through the client, which follows the
+    redirect (and relearns the layout).
     """
     replies = _send_and_read(script, client, calls, range(len(calls)))
+    unreached = [i for i, reply in enumerate(replies) if isinstance(reply, _UNREACHED)]
+    if unreached:
+        before = {i: _node_name(client, calls[i]) for i in unreached}
+        relearn_layout(client)
+        moved = [i for i in unreached if _node_name(client, calls[i]) != before[i]]
+        for i, reply in zip(moved, _send_and_read(script, client, calls, moved), strict=True):
+            replies[i] = reply
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     loaded: list[int] = []
     for node, node_calls in _by_node(client, calls, missing):
@@ -46,11 +59,20 @@ def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call])
         replies[i] = reply
     redirected = [i for i, reply in enumerate(replies) if isinstance(reply, AskError)]
     if any(isinstance(replies[i], MovedError) for i in redirected):
-        with suppress(*REDIS_ERRORS):
-            client.nodes_manager.initialize()
+        relearn_layout(client)
     for i in redirected:  # rare: one call at a time, as the client routes it
         replies[i] = _call_through_client(script, client, calls[i])
     return replies
+
+
+def relearn_layout(client: RedisCluster) -> None:
+    """Ask the cluster for its slot layout again (after a node could not be reached)."""
+    with suppress(*REDIS_ERRORS):
+        client.nodes_manager.initialize()
+
+
+def _node_name(client: RedisCluster, call: Call) -> str:
+    return str(client.get_node_from_key(call[0][0]).name)  # type: ignore[no-untyped-call]
 
 
 def _call_through_client(script: LuaScript, client: RedisCluster, call: Call) -> Any:

@@ -17,6 +17,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import MovedError, NoScriptError
 
+from .node_batch import relearn_layout
 from .scripts import LuaScript
 
 __all__ = ["connected_replicas", "forget_primary", "run_acknowledged"]
@@ -42,7 +43,9 @@ def run_acknowledged(
 
     Returns the script's reply and how many replicas acknowledged it. ``NOSCRIPT`` (a restarted
     or flushed server) loads the script and sends both again; so does a cluster ``MOVED`` after
-    the client relearns the slot layout. Other errors are raised as redis-py raised them.
+    the client relearns the slot layout. A cluster node that cannot be reached makes the client
+    relearn the layout before the error is raised, so the next call goes to whoever took its
+    place. Other errors are raised as redis-py raised them.
     """
     retries = 2
     while True:
@@ -50,11 +53,16 @@ def run_acknowledged(
         pipe = node.pipeline(transaction=False)
         pipe.evalsha(script.sha, len(keys), *keys, *args)
         pipe.wait(replicas, timeout_ms)
-        reply, acked = pipe.execute(raise_on_error=False)
+        try:
+            reply, acked = pipe.execute(raise_on_error=False)
+        except (redis.ConnectionError, redis.TimeoutError):
+            if isinstance(client, RedisCluster):
+                relearn_layout(client)
+            raise
         if retries and isinstance(reply, NoScriptError):
             node.script_load(script.source)
         elif retries and isinstance(reply, MovedError) and isinstance(client, RedisCluster):
-            client.nodes_manager.initialize()
+            relearn_layout(client)
         else:
             for result in (reply, acked):
                 if isinstance(result, Exception):

@@ -216,9 +216,11 @@ def server_process(*args: str, tag: str = "server", **fields: Any) -> Iterator[S
 
 @dataclass
 class Cluster:
-    """A running cluster: its primaries, in slot order."""
+    """A running cluster: its primaries, in slot order, and their replicas (``replicas[i]``
+    replicates ``nodes[i]``), if any."""
 
     nodes: list[ServerProcess]
+    replicas: list[ServerProcess] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -246,24 +248,29 @@ def _cluster_ok(nodes: list[ServerProcess]) -> bool:
 
 
 @contextmanager
-def valkey_cluster(n_primaries: int = 3) -> Iterator[Cluster]:
-    """Start a Redis Cluster of ``n_primaries`` Valkey primaries (no replicas) and yield it.
+def valkey_cluster(
+    n_primaries: int = 3, *, with_replicas: bool = False, node_timeout_ms: int = 2000
+) -> Iterator[Cluster]:
+    """Start a Redis Cluster of ``n_primaries`` Valkey primaries (and one replica each if
+    ``with_replicas``) and yield it.
 
     Slots are split evenly with ``CLUSTER ADDSLOTSRANGE``, nodes meet with ``CLUSTER MEET``,
-    and the cluster is yielded once every node reports ``cluster_state:ok`` and knows the others.
+    replicas follow with ``CLUSTER REPLICATE``, and the cluster is yielded once every node
+    reports ``cluster_state:ok`` and knows the others, and every replica is in sync.
     """
     with _tempdir("cluster") as directory, ExitStack() as stack:
         nodes: list[ServerProcess] = []
         bus_ports: list[int] = []
-        for i in range(n_primaries):
+        for i in range(n_primaries * (2 if with_replicas else 1)):
             node_dir = directory / f"node{i}"
             node_dir.mkdir()
             bus_ports.append(free_port())
             node = ServerProcess(
                 [
-                    *["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+                    *["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms)],
                     *["--cluster-config-file", str(node_dir / "nodes.conf")],
                     *["--cluster-port", str(bus_ports[-1])],
+                    *REPLICATION_OPTIONS,
                 ],
                 node_dir,
             )
@@ -275,20 +282,33 @@ def valkey_cluster(n_primaries: int = 3) -> Iterator[Cluster]:
         first = nodes[0].client()
         try:
             for i, node in enumerate(nodes):
-                end = CLUSTER_SLOTS - 1 if i == n_primaries - 1 else (i + 1) * step - 1
-                client = node.client()
-                try:
-                    client.execute_command("CLUSTER ADDSLOTSRANGE", i * step, end)
-                finally:
-                    client.close()
+                if i < n_primaries:
+                    end = CLUSTER_SLOTS - 1 if i == n_primaries - 1 else (i + 1) * step - 1
+                    client = node.client()
+                    try:
+                        client.execute_command("CLUSTER ADDSLOTSRANGE", i * step, end)
+                    finally:
+                        client.close()
                 if i:
                     first.execute_command("CLUSTER MEET", HOST, node.port, bus_ports[i])
         finally:
             first.close()
+        primaries, replicas = nodes[:n_primaries], nodes[n_primaries:]
         wait_until(
             lambda: _cluster_ok(nodes), START_TIMEOUT, interval=0.05, what="cluster_state:ok"
         )
-        yield Cluster(nodes)
+        pairs = list(zip(primaries, replicas, strict=False))
+        for primary, replica in pairs:  # all at once: each sync takes about a second
+            with primary.client() as client:
+                primary_id = client.execute_command("CLUSTER MYID")
+            with replica.client() as client:
+                client.execute_command("CLUSTER REPLICATE", primary_id)
+        wait_until(
+            lambda: all(_replica_synced(primary, replica) for primary, replica in pairs),
+            START_TIMEOUT,
+            what="every cluster replica in sync with its primary",
+        )
+        yield Cluster(primaries, replicas)
 
 
 # -- replication and Sentinel ------------------------------------------------------------------

@@ -321,6 +321,51 @@ def test_a_node_down_fails_only_the_refreshes_of_its_own_permits(scale_prefix):
             client.close()
 
 
+def test_the_heartbeat_follows_a_failover_to_the_promoted_replica(scale_prefix):
+    # A dead primary never answers MOVED: its permits are refreshed on the replica that took
+    # its place as soon as the cluster promotes it, not reported lost a lease later.
+    with valkey_cluster(3, with_replicas=True, node_timeout_ms=1000) as cluster:
+        client = cluster.client(socket_timeout=2, socket_connect_timeout=2)
+        heartbeat = Heartbeat()
+        try:
+            names = spread_names(client, scale_prefix, 12)
+            permits = [Lock(client, name, lease=6, prefix=scale_prefix).acquire() for name in names]
+            assert all(isinstance(p, Permit) for p in permits)
+            victim = cluster.nodes[1]
+            on_victim = [
+                p
+                for p in permits
+                if node_of(client, SemaphoreKeys(scale_prefix, p.name).holders).endswith(
+                    f":{victim.port}"
+                )
+            ]
+            assert on_victim  # spread_names put some there
+            victim.kill()
+            promoted = cluster.replicas[1]
+            wait_until(
+                lambda: promoted.client().info("replication")["role"] == "master",
+                20,
+                what="the replica to be promoted",
+            )
+            result = wait_until(
+                lambda: len((r := refresh_permits(client, permits)).refreshed) == len(names) and r,
+                10,
+                what="every permit refreshed, those of the dead primary on its replica",
+            )
+            assert result.lost == []
+            held = [heartbeat.track(HeldPermit(p, client)) for p in on_victim]
+            confirmed = [h.expires_at for h in held]
+            wait_until(
+                lambda: all(h.expires_at > at for h, at in zip(held, confirmed, strict=True)),
+                15,
+                what="the heartbeat to refresh them on the promoted replica",
+            )
+            assert not any(h.lost for h in held)
+        finally:
+            heartbeat.stop()
+            client.close()
+
+
 def test_a_semaphore_split_by_a_slot_migration_is_retried_not_run_on_half_its_keys(scale_prefix):
     # Resharding moves keys in batches: for a while the line's keys can be on the new node and
     # the holders on the old. The call must be redirected or refused for a retry (its keys are
