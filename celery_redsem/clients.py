@@ -169,7 +169,8 @@ def _cluster_client(url: str, **options: Any) -> RedisCluster:
         raise ConfigurationError(f"Redis Cluster has only database 0: {redact_url(url)!r}")
     userinfo, at, hosts = parts.netloc.rpartition("@")
     (host, port), *others = _split_hosts(hosts, 6379, url)
-    first = urlunsplit((parts.scheme, f"{userinfo}{at}{host}:{port}", "", parts.query, ""))
+    address = f"[{host}]" if ":" in host else host  # an IPv6 address keeps its brackets
+    first = urlunsplit((parts.scheme, f"{userinfo}{at}{address}:{port}", "", parts.query, ""))
     startup = [ClusterNode(h, p) for h, p in others]  # type: ignore[no-untyped-call]
     return RedisCluster(url=first, startup_nodes=startup, **options)
 

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,10 +249,14 @@ def _cluster_ok(nodes: list[ServerProcess]) -> bool:
 
 @contextmanager
 def valkey_cluster(
-    n_primaries: int = 3, *, with_replicas: bool = False, node_timeout_ms: int = 2000
+    n_primaries: int = 3,
+    *,
+    with_replicas: bool = False,
+    node_timeout_ms: int = 2000,
+    extra: Sequence[str] = (),
 ) -> Iterator[Cluster]:
     """Start a Redis Cluster of ``n_primaries`` Valkey primaries (and one replica each if
-    ``with_replicas``) and yield it.
+    ``with_replicas``) and yield it; ``extra``: more options for every node.
 
     Slots are split evenly with ``CLUSTER ADDSLOTSRANGE``, nodes meet with ``CLUSTER MEET``,
     replicas follow with ``CLUSTER REPLICATE``, and the cluster is yielded once every node
@@ -271,6 +275,7 @@ def valkey_cluster(
                     *["--cluster-config-file", str(node_dir / "nodes.conf")],
                     *["--cluster-port", str(bus_ports[-1])],
                     *REPLICATION_OPTIONS,
+                    *extra,
                 ],
                 node_dir,
             )

@@ -244,6 +244,17 @@ def test_a_cluster_url_gives_a_cluster_client(cluster, scale_prefix):
         client_from_url(cluster.url + "/1")
 
 
+def test_a_cluster_url_with_ipv6_addresses_reaches_the_cluster(scale_prefix):
+    with valkey_cluster(1, extra=["--bind", "127.0.0.1", "::1"]) as v6:
+        port = v6.nodes[0].port
+        client = client_from_url(f"redis+cluster://[::1]:{port},[::1]:{port}")
+        try:
+            assert isinstance(client, RedisCluster)
+            assert isinstance(Lock(client, "v6", prefix=scale_prefix).acquire(), Permit)
+        finally:
+            client.close()
+
+
 def test_an_unreachable_cluster_is_a_backend_error_without_the_password():
     with pytest.raises(BackendError) as info:
         client_from_url("redis+cluster://app:s3cret-pw@127.0.0.1:1", socket_connect_timeout=0.5)
