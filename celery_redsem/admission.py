@@ -187,9 +187,10 @@ class Admission:
         if self._runs_here(req):
             self._park_copy(req, name, earlier)
             return None
+        run = permit_id_of(req)
         present = present_waiter_lease(config)
         asked = time.monotonic()
-        result = _attempt(sem, permit_id_of(req), waiter_lease=present)
+        result = _attempt(sem, run, waiter_lease=present)
         if isinstance(result, Permit):
             return result, asked
         now_ms = _server_ms(result, present)
@@ -219,9 +220,7 @@ class Admission:
             return None
         park = min(park, max(MIN_PARK, longest - held_for))
         asked = time.monotonic()
-        again = _attempt(
-            sem, permit_id_of(req), waiter_lease=park + config.waiter_margin, back_in=park
-        )
+        again = _attempt(sem, run, waiter_lease=park + config.waiter_margin, back_in=park)
         if isinstance(again, Permit):
             return again, asked
         self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)

@@ -165,9 +165,9 @@ local function helpers()
         end
       end
       for i = 1, #orphans, SWEEP_BATCH do
-        local batch = {unpack(orphans, i, math.min(i + SWEEP_BATCH - 1, #orphans))}
-        redis.call('ZREM', waiters, unpack(batch))
-        redis.call('ZREM', wdue, unpack(batch))
+        local last = math.min(i + SWEEP_BATCH - 1, #orphans)
+        redis.call('ZREM', waiters, unpack(orphans, i, last))
+        redis.call('ZREM', wdue, unpack(orphans, i, last))
       end
       queued = queued - #orphans
     end
