@@ -43,8 +43,7 @@ RedisClient = redis.Redis | RedisCluster
 DEFAULT_LEASE = 10.0
 DEFAULT_IDLE_TTL = 60.0
 DEFAULT_REPLICA_TIMEOUT = 0.5
-MARK_RENEWAL = b":1"  # appended to acquire.lua's settings: mark a renewal in the reply ...
-RENEWED = ":renewed"  # ... with this suffix
+RENEWED = ":renewed"  # acquire.lua marks a renewal with this suffix when asked to
 
 
 def _ms(seconds: float) -> int:
@@ -211,23 +210,26 @@ class FairSemaphore:
         waiter lease ends, its place does hold one. It must be shorter than the waiter lease.
         """
         pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
-        if waiter_lease is not None or back_in:
+        if waiter_lease is not None or back_in or self.min_replicas:
             lease = self.waiter_lease if waiter_lease is None else waiter_lease
             settings = self._settings(
-                _positive_seconds(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
+                _positive_seconds(lease, "waiter_lease"),
+                join_line,
+                _back_in(back_in, lease),
+                mark_renewal=bool(self.min_replicas),
             )
+            if self.min_replicas:
+                return self._attempt_acknowledged(pid, [settings + pid])
         else:
             settings = self._settings_join if join_line else self._settings_try
-        if self.min_replicas:
-            return self._attempt_acknowledged(pid, [pid, settings + MARK_RENEWAL])
         # Runs on every task start, so it calls redis-py directly (evalsha() adds two calls);
         # _retry handles NOSCRIPT and errors.
         try:
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", ACQUIRE.sha_bytes, *self._key_args, pid, settings
+                "EVALSHA", ACQUIRE.sha_bytes, *self._key_args, settings + pid
             )
         except REDIS_ERRORS as exc:
-            reply = self._retry(ACQUIRE, exc, pid, settings)
+            reply = self._retry(ACQUIRE, exc, settings + pid)
         return self._result(pid, reply)
 
     def _retry(self, script: LuaScript, exc: BaseException, *args: Any) -> Any:
@@ -250,13 +252,23 @@ class FairSemaphore:
         position, expires_at = reply
         return Waiting(pid, self.name, int(position), int(expires_at))
 
-    def _settings(self, waiter_lease: float, join_line: bool, back_in: float = 0.0) -> bytes:
-        """acquire.lua's ARGV[2]: ``limit:lease:waiter lease:idle ttl:join:back in`` (ms)."""
+    def _settings(
+        self,
+        waiter_lease: float,
+        join_line: bool,
+        back_in: float = 0.0,
+        *,
+        mark_renewal: bool = False,
+    ) -> str:
+        """acquire.lua's ARGV[1] up to the permit id: ``limit:lease:waiter lease:idle ttl:join:
+        back in[:1]|`` (ms; ``:1`` asks to mark a renewal)."""
         join = 1 if join_line else 0
         back = math.ceil(back_in * 1000)
+        mark = ":1" if mark_renewal else ""
         return (
             f"{self.limit}:{self._lease_ms}:{_ms(waiter_lease)}:{self._idle_ms}:{join}:{back}"
-        ).encode()
+            f"{mark}|"
+        )
 
     def _attempt_acknowledged(self, pid: str, args: list[Any]) -> Permit | Waiting:
         """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is not used."""
@@ -411,15 +423,15 @@ class FairSemaphore:
         """
         if isinstance(permit, Permit):
             self._check_same_semaphore(permit)
-            pid, token = permit.id, str(permit.token)
+            arg = f"{permit.token}:{permit.id}"
         else:
-            pid, token = _validate_permit_id(permit), ""
+            arg = ":" + _validate_permit_id(permit)
         try:  # as in attempt(): redis-py called directly, on every task end
             reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", RELEASE.sha_bytes, *self._key_args, pid, token
+                "EVALSHA", RELEASE.sha_bytes, *self._key_args, arg
             )
         except REDIS_ERRORS as exc:
-            reply = self._retry(RELEASE, exc, pid, token)
+            reply = self._retry(RELEASE, exc, arg)
         return int(reply) > 0
 
     def refresh(self, permit: Permit) -> Permit:

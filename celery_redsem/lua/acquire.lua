@@ -1,52 +1,57 @@
 -- acquire: grant a permit, or take / keep a place in the FIFO waiting line.
 --
 -- KEYS[1] holders (on Redis Cluster also KEYS[2..4]: waiters, wexp, wdue; see _common.lua)
--- ARGV[1] permit id
--- ARGV[2] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>:<back in ms>[:1]', where
---         limit >= 1; the waiter lease is how long a place in line is kept without the waiter
---         coming back; the idle ttl is how long keys outlive the last lease in them; join is
---         1 to join (or stay in) the waiting line when no permit is free, 0 to only try;
---         back in is when the caller will ask again (0: it waits now, as a blocked caller
---         does): until then its place does not hold a free permit for it (< waiter lease);
---         a final ':1' asks to mark a renewal (for callers that give back a new grant that
---         too few replicas acknowledged, and must not give back one held before)
+-- ARGV[1] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>:<back in ms>[:1]|<permit id>'
+--         (one argument, not two: each argument costs the client time on every task start),
+--         where limit >= 1; the waiter lease is how long a place in line is kept without the
+--         waiter coming back; the idle ttl is how long keys outlive the last lease in them;
+--         join is 1 to join (or stay in) the waiting line when no permit is free, 0 to only
+--         try; back in is when the caller will ask again (0: it waits now, as a blocked
+--         caller does): until then its place does not hold a free permit for it (< waiter
+--         lease); a ':1' before the '|' asks to mark a renewal (for callers that give back a
+--         new grant that too few replicas acknowledged, and must not give back one held
+--         before). The permit id is everything after the first '|'.
 --
--- Returns '<token>:<lease expiry ms>'  granted (or already held: same token, lease renewed;
---                                      with ':1' asked, that renewal ends in ':renewed')
+-- Returns status '<token>:<lease expiry ms>'  granted (or already held: same token, lease
+--                                             renewed; with ':1' asked, that renewal ends in
+--                                             ':renewed')
 --         {position, waiter expiry ms}   not granted; position is 1-based, 0 if not in line
--- (A grant is one string, not a table, because it is the reply parsed on every task start.)
+-- (A grant is one status string, not a table or a bulk string: it is the reply parsed on every
+-- task start, and a status line is the cheapest for a client to read.)
 --
 -- Idempotent per permit id: a holder gets its permit back, a waiter keeps its ticket.
 -- A free permit with nobody waiting costs four calls: TIME, HMGET, HLEN, HSET.
 local COUNTERS = 7 -- counter fields in the holders hash (see _common.lua)
 local holders = KEYS[1]
-local id = ARGV[1]
-local limit, lease = string.match(ARGV[2], '^(%d+):(%d+):')
+local limit, lease, id = string.match(ARGV[1], '^(%d+):(%d+):[^|]*|(.*)$')
 local time = redis.call('TIME') -- as server_now() does; the helpers come after the fast path
-local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local now = math.floor(now_us / 1000)
+local now_us = time[1] * 1000000 + time[2]
+local now = (now_us - now_us % 1000) / 1000
 local expires = now + lease
-local mine, fence, gate, next_expiry, stored_limit = unpack(redis.call(
-  'HMGET', holders, id, ':fence', ':gate', ':next', ':limit'))
+local got = redis.call('HMGET', holders, id, ':fence', ':gate', ':next', ':limit')
+local mine, fence, gate, next_expiry, stored_limit = got[1], got[2], got[3], got[4], got[5]
 
 -- The fast path, taken on most task starts: a new caller, a permit free, nobody in line, and
 -- no counter but the fence to change (':gate' says so). Every step here is paid on each task
 -- start, so it reads only what it decides on, compares the limit as the server stored it
--- (integers are rendered exactly) and converts only what it computes with; the rest of the
+-- (integers are rendered exactly), lets Lua's arithmetic convert the numbers it computes with
+-- (a call to tonumber or math costs more), and returns a status reply; the rest of the
 -- settings are parsed, and the shared helpers (_common.lua) and closures created, only past it.
-if not mine and stored_limit == limit and tonumber(gate or 0) >= expires then
-  next_expiry = tonumber(next_expiry or 0)
-  if next_expiry <= expires and redis.call('HLEN', holders) - COUNTERS < tonumber(limit) then
-    fence = math.max(fence + 1, now_us)
-    local entry = string.format('%d:%d', fence, expires)
-    redis.call('HSET', holders, ':fence', fence, id, entry)
-    return entry
+if not mine and stored_limit == limit and gate and gate + 0 >= expires
+    and (next_expiry or 0) + 0 <= expires
+    and redis.call('HLEN', holders) - COUNTERS < limit + 0 then
+  local token = (fence or 0) + 1
+  if token < now_us then
+    token = now_us
   end
+  local entry = string.format('%d:%d', token, expires)
+  redis.call('HSET', holders, ':fence', token, id, entry)
+  return {ok = entry}
 end
 
 -- @common
 local waiter_lease, idle_ttl, join, back_in, mark_renewal =
-  string.match(ARGV[2], '^%d+:%d+:(%d+):(%d+):(%d):(%d+):?(%d?)$')
+  string.match(ARGV[1], '^%d+:%d+:(%d+):(%d+):(%d):(%d+):?(%d?)|')
 limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
 local half_idle = math.floor(idle_ttl / 2)
 local queued, horizon, ticket = unpack(redis.call('HMGET', holders, ':queued', ':horizon', ':ticket'))
@@ -101,9 +106,9 @@ if mine then
     local entry = string.format('%d:%d', token, expires)
     save(id, entry, expires)
     if mark_renewal == '1' then
-      return entry .. ':renewed'
+      return {ok = entry .. ':renewed'}
     end
-    return entry
+    return {ok = entry}
   end
   redis.call('HDEL', holders, id)
 end
@@ -180,7 +185,7 @@ if held + ahead < limit then
   end
   local entry = string.format('%d:%d', fence, expires)
   save(id, entry, expires)
-  return entry
+  return {ok = entry}
 end
 
 if join ~= '1' then
