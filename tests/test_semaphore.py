@@ -261,6 +261,27 @@ def test_release_by_id_frees_whatever_the_id_holds(redis_client, prefix):
     assert sem.state().waiters == []
 
 
+# The scripts take the permit id in one argument with the settings ('<settings>|<id>') or the
+# token ('<token>:<id>'): ids that contain those separators, or look like a token, must
+# still name exactly themselves.
+@pytest.mark.parametrize("pid", ["a|b|", "7:8", "12:", "x:1|2:3", "ünï cødé\nline", "9" * 40])
+def test_permit_ids_with_separators_name_exactly_themselves(redis_client, prefix, pid):
+    sem = make(redis_client, prefix, limit=2, lease=5)
+    permit = sem.acquire(permit_id=pid)
+    assert permit is not None
+    assert permit.id == pid
+    renewed = sem.acquire(permit_id=pid)  # idempotent: the same grant back
+    assert renewed == permit._replace(expires_at=sem.holders()[0].expires_at)
+    assert [h.permit_id for h in sem.holders()] == [pid]
+    assert sem.release(permit._replace(token=permit.token - 1)) is False  # another grant's token
+    assert sem.release(permit._replace(id=pid + "x")) is False
+    assert sem.release(permit) is True
+    assert sem.holders() == []
+    assert sem.acquire(permit_id=pid) is not None
+    assert sem.release(pid) is True  # by id, as a worker's main process releases
+    assert sem.state().holders == []
+
+
 def test_an_idle_semaphore_leaves_no_key_behind(redis_client, prefix):
     sem = make(redis_client, prefix, limit=1, lease=0.2, idle_ttl=0.2)
     held = sem.acquire()
