@@ -320,7 +320,8 @@ class _Recording(redis.Redis):
 class SameShape(_TryOnly):
     """FairSemaphore's recorded commands with trivial scripts: the cost of its arguments.
 
-    Each script is swapped for one that at once returns a reply of the same shape.
+    Each script is swapped for one that at once returns a reply of the same shape (a grant,
+    which comes as a status line, as the same status line).
     """
 
     def __init__(self, url: str, prefix: str, limit: int) -> None:
@@ -335,7 +336,12 @@ class SameShape(_TryOnly):
         for args, reply in recorder.sent:
             if str(args[0]).upper() != "EVALSHA":
                 raise RuntimeError(f"FairSemaphore sent {args[0]!r} on an idle semaphore")
-            shape = "{" + ", ".join("1" for _ in reply) + "}" if isinstance(reply, list) else "1"
+            if isinstance(reply, list):
+                shape = "{" + ", ".join("1" for _ in reply) + "}"
+            elif isinstance(reply, bytes):  # a grant: '<token>:<expiry>'
+                shape = "{ok = '" + reply.decode() + "'}"
+            else:
+                shape = "1"
             sha = str(self.client.script_load(f"return {shape}"))
             self.calls.append(("EVALSHA", sha, *args[2:]))
         recorder.close()

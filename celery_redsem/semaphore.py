@@ -181,7 +181,8 @@ class FairSemaphore:
                 "grant held; shorten replica_timeout or lengthen socket_timeout",
                 name=name,
             )
-        # Settings that never change, encoded once: acquire runs on every task start.
+        # Settings that never change, formatted once (acquire runs on every task start); each
+        # call appends the permit id.
         self._settings_try = self._settings(self.waiter_lease, join_line=False)
         self._settings_join = self._settings(self.waiter_lease, join_line=True)
 
