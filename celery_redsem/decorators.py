@@ -57,38 +57,59 @@ def with_semaphore(
         lost_lease_policy: ``"log"`` or ``"raise"`` (default: ``redsem_lost_lease_policy``).
     """
 
-    def decorate(*args: Any, **kwargs: Any) -> Callable[P, R]:
-        # Called with anything but one function, it is running as a task body: @app.task got
-        # this decorator itself, because the guard was written without its arguments.
+    options = {
+        "limit": limit,
+        "key": key,
+        "lease": lease,
+        "max_wait": max_wait,
+        "lost_lease_policy": lost_lease_policy,
+    }
+    return _GuardDecorator(options)
+
+
+_WRITTEN_BARE = (
+    "@with_semaphore / @with_lock was written without its arguments, so the task is the bare "
+    "decorator: write @with_lock(key=...) or @with_semaphore(limit=..., key=...)"
+)
+
+
+class _GuardDecorator:
+    # What @with_semaphore(...) returns: applied to the task's function, it wraps it.
+    # Written without its arguments (a bare @with_lock takes the function as its key),
+    # this object itself would become the task. Celery reads a task function's __name__ or
+    # __doc__ as it registers it (at import, or when the app is finalized), and here those
+    # raise, so the mistake shows there and not only when the task first runs. (No
+    # docstring: __doc__ is one of those properties.)
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+
+    @property
+    def __name__(self) -> str:
+        raise ConfigurationError(_WRITTEN_BARE)
+
+    @property
+    def __doc__(self) -> str:  # type: ignore[override]
+        raise ConfigurationError(_WRITTEN_BARE)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        # Called with anything but one function, it is running as a task body: a task was
+        # made of it where nothing read its name first.
         if kwargs or len(args) != 1 or not callable(args[0]) or args[0] is get_current_task():
-            raise ConfigurationError(
-                "@with_semaphore / @with_lock was written without its arguments, so the task "
-                "is the bare decorator: write @with_lock(key=...) or "
-                "@with_semaphore(limit=..., key=...)"
-            )
-        fn: Callable[P, R] = args[0]
+            raise ConfigurationError(_WRITTEN_BARE)
+        fn: Callable[..., Any] = args[0]
         _refuse_a_task(fn)
-        guard = TaskGuard(
-            fn,
-            limit=limit,
-            key=key,
-            lease=lease,
-            max_wait=max_wait,
-            lost_lease_policy=lost_lease_policy,
-        )
+        guard = TaskGuard(fn, **self.options)
 
         @functools.wraps(fn)
-        def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
-            result: R = guard.run(args, kwargs)
-            return result
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            return guard.run(args, kwargs)
 
         setattr(guarded, _GUARD_ATTR, guard)
         # Celery checks a call's arguments against the task's signature when it is sent
         # (``Task.typing``), reading it with getfullargspec, which ignores ``__wrapped__``.
         guarded.__signature__ = guard.signature  # type: ignore[attr-defined]
         return guarded
-
-    return decorate
 
 
 def _refuse_a_task(fn: object) -> None:

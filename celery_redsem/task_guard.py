@@ -122,10 +122,29 @@ def guards_of(task: object) -> list[TaskGuard]:
     return found
 
 
-def _describe(fn: object) -> str:
+def _describe(fn: object, signature: inspect.Signature | None = None) -> str:
+    """``name(signature) (file:line)``, for messages (the signature only if given)."""
     code = getattr(fn, "__code__", None)
-    name = getattr(fn, "__qualname__", None) or repr(fn)
+    name = (getattr(fn, "__qualname__", None) or repr(fn)) + (str(signature) if signature else "")
     return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def _bind_hint(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Any) -> str:
+    """A hint for a call that would fit with one positional argument more or less: the task
+    is missing ``bind=True`` (the function takes self), or has it by mistake."""
+
+    def fits(*args: Any) -> bool:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError:
+            return False
+        return True
+
+    if next(iter(signature.parameters), None) == "self" and fits(None, *args):
+        return "; a task function that takes self needs @app.task(bind=True)"
+    if args and fits(*args[1:]):
+        return "; with @app.task(bind=True) the function must take self first"
+    return ""
 
 
 class TaskGuard:
@@ -216,9 +235,10 @@ class TaskGuard:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
+            hint = _bind_hint(self.signature, args, kwargs)
             raise TypeError(
                 f"task {task_name} was called with arguments that do not fit "
-                f"{_describe(self.fn)}{self.signature}: {exc}"
+                f"{_describe(self.fn, self.signature)}: {exc}{hint}"
             ) from None
         bound.apply_defaults()
         named: dict[str, Any] = {}

@@ -218,6 +218,20 @@ def test_batched_refresh_reports_each_lost_permit(redis_client, prefix):
     assert [p.id for p in result.lost] == [gone_a.id]
 
 
+def test_callers_with_different_limits_each_count_against_their_own(redis_client, prefix):
+    # As the quickstart documents for two tasks that share a key with different limits.
+    low = FairSemaphore(redis_client, "shared", 2, prefix=prefix)
+    high = FairSemaphore(redis_client, "shared", 5, prefix=prefix)
+    assert low.acquire() is not None
+    assert low.acquire() is not None
+    assert low.acquire() is None  # 2 hold it: the limit-2 caller waits
+    assert high.acquire() is not None  # the limit-5 caller still gets in
+    assert low.state().limit == 5  # the limit of the last caller that asked
+    assert low.acquire() is None
+    assert low.state().limit == 2
+    assert len(low.holders()) == 3
+
+
 def test_release_is_idempotent(redis_client, prefix):
     sem = make(redis_client, prefix)
     permit = sem.acquire()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -152,27 +155,74 @@ def test_arguments_that_do_not_fit_name_the_task_when_the_key_is_worked_out() ->
         guard.name_for("shop.buy", (None, 1), {})
 
 
-@pytest.mark.parametrize("decorator", [with_lock, functools.partial(with_semaphore, 2)])
-@pytest.mark.parametrize("bind", [False, True])
-def test_a_guard_written_without_its_arguments_says_so_when_the_task_runs(
-    decorator: Any, bind: bool
-) -> None:
-    # ``@with_lock`` with no parentheses takes the function as its key and returns a bare
-    # decorator, which @app.task registers as the task: any call of it says what happened.
-    app = Celery(set_as_current=False)
+def _report(report_id: int) -> None: ...
 
-    @app.task(shared=False, bind=bind, name="t.build")
+
+@pytest.mark.parametrize(
+    ("fn", "args", "hint"),
+    [
+        (buy_item, (1, 2), r"missing .*'item_id'; .* takes self needs @app\.task\(bind=True\)"),
+        (_report, ("<task>", 7), r"too many .*; with @app\.task\(bind=True\) .* take self first"),
+    ],
+)
+def test_a_call_that_does_not_fit_hints_at_bind(fn: Any, args: tuple[Any, ...], hint: str) -> None:
+    # bind=True forgotten for a function that takes self, or given for one that does not.
+    guard = with_lock(key=lambda **kw: "k")(fn).__redsem_guard__  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=hint):
+        guard.name_for("shop.t", args, {})
+    with pytest.raises(TypeError) as fits:
+        guard.name_for("shop.t", (None,), {"account_id": 1, "qty": 2, "colour": "red"})
+    assert "bind=True" not in str(fits.value)  # other misfits get no such hint
+
+
+BARE = r"without its arguments, so the task is the bare decorator"
+
+
+@pytest.mark.parametrize("decorator", [with_lock, functools.partial(with_semaphore, 2)])
+@pytest.mark.parametrize("options", [{}, {"shared": False, "name": "t.build"}, {"bind": True}])
+def test_a_guard_written_without_its_arguments_fails_where_the_task_is_made(
+    decorator: Any, options: dict[str, Any]
+) -> None:
+    # ``@with_lock`` with no parentheses takes the function as its key and returns the bare
+    # decorator, which @app.task would register as the task (under the decorator's own name).
+    app = Celery(set_as_current=False)
+    with pytest.raises(ConfigurationError, match=BARE):
+
+        @app.task(**options)
+        @decorator
+        def build(report_id: int) -> None: ...
+
+
+SHARED_BARE = """
+from celery import Celery, shared_task
+from celery_redsem import with_lock
+
+@shared_task
+@with_lock
+def build(report_id): ...
+
+print("imported")
+Celery(set_as_current=False).finalize()
+"""
+
+
+def test_a_bare_guard_under_shared_task_fails_when_an_app_is_finalized() -> None:
+    # In a process of its own: shared_task registers the function with every app to come
+    # before it fails, and each later finalize would fail again.
+    done = subprocess.run(
+        [sys.executable, "-c", SHARED_BARE], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert done.stdout.strip() == "imported"
+    assert re.search(BARE, done.stderr), done.stderr
+
+
+@pytest.mark.parametrize("decorator", [with_lock, functools.partial(with_semaphore, 2)])
+def test_a_bare_guard_called_as_a_task_body_says_what_happened(decorator: Any) -> None:
     @decorator
     def build(report_id: int) -> None: ...
 
-    @app.task(shared=False, bind=bind, name="t.bare")
-    @decorator
-    def bare() -> None: ...
-
-    message = r"without its arguments, so the task is the bare decorator"
-    with pytest.raises(ConfigurationError, match=message):
-        build(7)
-    with pytest.raises(ConfigurationError, match=message):
+    with pytest.raises(ConfigurationError, match=BARE):
+        build(7)  # as a task made of it would call it
+    with pytest.raises(ConfigurationError, match=BARE):
         build(report_id=7)
-    with pytest.raises(ConfigurationError, match=message):
-        bare()
