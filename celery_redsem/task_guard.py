@@ -130,8 +130,8 @@ def _describe(fn: object, signature: inspect.Signature | None = None) -> str:
 
 
 def _bind_hint(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Any) -> str:
-    """A hint for a call that would fit with one positional argument more or less: the task
-    is missing ``bind=True`` (the function takes self), or has it by mistake."""
+    """A hint for a call that fits but for the task itself as the first argument: a function
+    that takes self on a task without ``bind=True``, or one that does not, on a bound task."""
 
     def fits(*args: Any) -> bool:
         try:
@@ -140,9 +140,10 @@ def _bind_hint(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Any)
             return False
         return True
 
-    if next(iter(signature.parameters), None) == "self" and fits(None, *args):
+    bound = bool(args) and isinstance(args[0], Task)  # a bound task's run gets the task first
+    if not bound and next(iter(signature.parameters), None) == "self" and fits(None, *args):
         return "; a task function that takes self needs @app.task(bind=True)"
-    if args and fits(*args[1:]):
+    if bound and fits(*args[1:]):
         return "; with @app.task(bind=True) the function must take self first"
     return ""
 

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, Task
 
 from celery_redsem import ConfigurationError, KeyFunctionError, with_lock, with_semaphore
 from celery_redsem.task_guard import guards_of
@@ -162,7 +162,7 @@ def _report(report_id: int) -> None: ...
     ("fn", "args", "hint"),
     [
         (buy_item, (1, 2), r"missing .*'item_id'; .* takes self needs @app\.task\(bind=True\)"),
-        (_report, ("<task>", 7), r"too many .*; with @app\.task\(bind=True\) .* take self first"),
+        (_report, (Task(), 7), r"too many .*; with @app\.task\(bind=True\) .* take self first"),
     ],
 )
 def test_a_call_that_does_not_fit_hints_at_bind(fn: Any, args: tuple[Any, ...], hint: str) -> None:
@@ -170,9 +170,11 @@ def test_a_call_that_does_not_fit_hints_at_bind(fn: Any, args: tuple[Any, ...], 
     guard = with_lock(key=lambda **kw: "k")(fn).__redsem_guard__  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match=hint):
         guard.name_for("shop.t", args, {})
-    with pytest.raises(TypeError) as fits:
-        guard.name_for("shop.t", (None,), {"account_id": 1, "qty": 2, "colour": "red"})
-    assert "bind=True" not in str(fits.value)  # other misfits get no such hint
+    # Other misfits get no such hint: one argument too many or too few on its own.
+    for misfit in [(1, 2, 3, 4, 5), ()]:
+        with pytest.raises(TypeError) as fits:
+            guard.name_for("shop.t", misfit, {})
+        assert "bind=True" not in str(fits.value)
 
 
 BARE = r"without its arguments, so the task is the bare decorator"
