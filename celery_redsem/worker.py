@@ -223,7 +223,7 @@ def check_late_acks(app: Celery, tasks: list[Task[Any, Any]]) -> str | None:
         f"{', ...' if len(late) > 5 else ''}) keep running when the broker connection is "
         "lost, and the broker delivers them again: on another worker the two copies would "
         "share the task id's permit. Set worker_cancel_long_running_tasks_on_connection_loss"
-        " = True"
+        " = True (in Django settings: CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS)"
     )
 
 
