@@ -184,10 +184,10 @@ class Admission:
         sem = guard.semaphore(self.app, name, config)
         if sem.min_replicas:
             return None
-        if self._runs_here(req):
+        run = permit_id_of(req)
+        if self._runs_here(req, run):
             self._park_copy(req, name, earlier)
             return None
-        run = permit_id_of(req)
         present = present_waiter_lease(config)
         asked = time.monotonic()
         result = _attempt(sem, run, waiter_lease=present)
@@ -226,11 +226,10 @@ class Admission:
         self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)
         return None
 
-    def _runs_here(self, req: Any) -> bool:
+    def _runs_here(self, req: Any, run: str) -> bool:
         """Whether another delivery of ``req``'s run (same task id and permit id) runs on this
         worker now (the broker delivered it again, say after a lost connection, while the
-        first delivery goes on)."""
-        run = permit_id_of(req)
+        first delivery goes on). ``run``: its permit id."""
         live = worker_state.reserved_requests | worker_state.active_requests  # not ended yet
         handed = [r for r in self._handed.get(run, ()) if r is not req and r in live]
         if handed:

@@ -19,10 +19,10 @@ from redis.exceptions import AskError, MovedError, NoScriptError
 from .errors import REDIS_ERRORS
 from .scripts import LuaScript
 
-__all__ = ["relearn_layout", "run_on_nodes"]
+__all__ = ["UNREACHED", "relearn_layout", "run_on_nodes"]
 
 #: Errors that say a node could not be reached (not that it refused a call).
-_UNREACHED = (redis.ConnectionError, redis.TimeoutError)
+UNREACHED = (redis.ConnectionError, redis.TimeoutError)
 
 #: One script call: its keys (all in one slot) and its arguments.
 Call = tuple[Sequence[str], Sequence[Any]]
@@ -39,7 +39,7 @@ def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call])
     redirect (and relearns the layout).
     """
     replies = _send_and_read(script, client, calls, range(len(calls)))
-    unreached = [i for i, reply in enumerate(replies) if isinstance(reply, _UNREACHED)]
+    unreached = [i for i, reply in enumerate(replies) if isinstance(reply, UNREACHED)]
     if unreached:
         before = {i: _node_name(client, calls[i]) for i in unreached}
         relearn_layout(client)

@@ -17,7 +17,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import MovedError, NoScriptError
 
-from .node_batch import relearn_layout
+from .node_batch import UNREACHED, relearn_layout
 from .scripts import LuaScript
 
 __all__ = ["connected_replicas", "forget_primary", "run_acknowledged"]
@@ -55,7 +55,7 @@ def run_acknowledged(
         pipe.wait(replicas, timeout_ms)
         try:
             reply, acked = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError):
+        except UNREACHED:
             if isinstance(client, RedisCluster):
                 relearn_layout(client)
             raise

@@ -211,18 +211,15 @@ class FairSemaphore:
         waiter lease ends, its place does hold one. It must be shorter than the waiter lease.
         """
         pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
-        if waiter_lease is not None or back_in or self.min_replicas:
+        if waiter_lease is not None or back_in:
             lease = self.waiter_lease if waiter_lease is None else waiter_lease
             settings = self._settings(
-                _positive_seconds(lease, "waiter_lease"),
-                join_line,
-                _back_in(back_in, lease),
-                mark_renewal=bool(self.min_replicas),
+                _positive_seconds(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
             )
-            if self.min_replicas:
-                return self._attempt_acknowledged(pid, [settings + pid])
         else:
             settings = self._settings_join if join_line else self._settings_try
+        if self.min_replicas:
+            return self._attempt_acknowledged(pid, [settings + pid])
         # Runs on every task start, so it calls redis-py directly (evalsha() adds two calls);
         # _retry handles NOSCRIPT and errors.
         try:
@@ -253,19 +250,12 @@ class FairSemaphore:
         position, expires_at = reply
         return Waiting(pid, self.name, int(position), int(expires_at))
 
-    def _settings(
-        self,
-        waiter_lease: float,
-        join_line: bool,
-        back_in: float = 0.0,
-        *,
-        mark_renewal: bool = False,
-    ) -> str:
+    def _settings(self, waiter_lease: float, join_line: bool, back_in: float = 0.0) -> str:
         """acquire.lua's ARGV[1] up to the permit id: ``limit:lease:waiter lease:idle ttl:join:
-        back in[:1]|`` (ms; ``:1`` asks to mark a renewal)."""
+        back in[:1]|`` (ms; with ``min_replicas``, ``:1`` asks to mark a renewal)."""
         join = 1 if join_line else 0
         back = math.ceil(back_in * 1000)
-        mark = ":1" if mark_renewal else ""
+        mark = ":1" if self.min_replicas else ""
         return (
             f"{self.limit}:{self._lease_ms}:{_ms(waiter_lease)}:{self._idle_ms}:{join}:{back}"
             f"{mark}|"
