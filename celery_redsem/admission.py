@@ -15,15 +15,18 @@ id, marked for a run its own retry queued; see :func:`~celery_redsem.permit_ids.
   semaphore finishes here, and then goes to the front of the slot queue.
 
 A parked task widens the prefetch window by one, as an ETA task does, so the worker keeps
-fetching tasks it can run; at most a window's worth (concurrency x prefetch multiplier) do, so
-the worker reserves at most twice its window however long the line. A parked task stays
-reserved by the worker, unacknowledged: if the worker stops or loses its broker connection,
-the broker delivers the message again (a parked task from a lost connection is dropped, never
-run twice). One delivery is parked only until :data:`MAX_PARKED` seconds, and at most half
-the broker's ``visibility_timeout``, have passed since it reached the worker (time spent
-waiting for a slot counts: the broker's clock runs from delivery): then it goes to a child,
-which retries it through the broker (acknowledging this message) before the broker would
-deliver it a second time. Its total wait counts toward ``redsem_max_wait``; once that is
+fetching tasks it can run. At most a window's worth (concurrency x prefetch multiplier) are
+parked so; a task that finds the window widened that far goes to its child instead, which
+decides as without admission (most often: a retry through the broker with a countdown). Parked
+without widening, it would take a place of the window, and a window full of tasks for one busy
+key would stop the worker fetching the tasks behind them while its slots sat idle. A parked
+task stays reserved by the worker, unacknowledged: if the worker stops or loses its broker
+connection, the broker delivers the message again (a parked task from a lost connection is
+dropped, never run twice). One delivery is parked only until :data:`MAX_PARKED` seconds, and
+at most half the broker's ``visibility_timeout``, have passed since it reached the worker
+(time spent waiting for a slot counts: the broker's clock runs from delivery): then it goes to
+a child, which retries it through the broker (acknowledging this message) before the broker
+would deliver it a second time. Its total wait counts toward ``redsem_max_wait``; once that is
 spent it goes to a child, which fails it with :class:`~celery_redsem.AcquireTimeout`.
 
 Anything unusual hands the task to the child unchanged, which then waits or retries as
@@ -215,7 +218,9 @@ class Admission:
         received_at = _received_at(req, earlier, asked)
         held_for = asked - received_at  # the broker's visibility clock runs from delivery
         longest = self._longest_park()
-        if held_for >= longest:  # the child retries it: a new message, this one acknowledged
+        if held_for >= longest or self._window_full():
+            # The child retries it: a new message (with a countdown, held as an ETA task is),
+            # this one acknowledged, so it no longer holds a place in the prefetch window.
             _stamp_wait(req, first_ms)
             return None
         park = min(park, max(MIN_PARK, longest - held_for))
@@ -264,18 +269,31 @@ class Admission:
             return MAX_PARKED
         return min(MAX_PARKED, visibility / 2) if visibility > 0 else MAX_PARKED
 
+    def _window(self) -> int:
+        """The consumer's prefetch window (concurrency x prefetch multiplier; 0: unlimited)."""
+        window = getattr(self.controller.consumer, "max_prefetch_count", 0)
+        return window if isinstance(window, int) and window > 0 else 0
+
+    def _widened(self) -> int:
+        """How many parked tasks widened the prefetch window."""
+        return sum(1 for p in self.parked.values() if p.qos is not None)
+
     def _may_widen_window(self) -> bool:
         """Whether parking one more task may widen the prefetch window (by one, as an ETA task
-        does, so that the worker keeps fetching tasks it can run).
+        does, so that the worker keeps fetching tasks it can run): at most a window's worth
+        of parked tasks widen it, so that one busy key cannot make the worker reserve the
+        whole queue behind it."""
+        window = self._window()
+        return window > 0 and self._widened() < window
 
-        At most a window's worth of parked tasks widen it; past that, a parked task keeps the
-        window place its message came in, so one busy key cannot make the worker reserve the
-        whole queue behind it: the rest waits in the broker, for any worker to take.
-        """
-        window = getattr(self.controller.consumer, "max_prefetch_count", 0)
-        if not isinstance(window, int) or window <= 0:  # prefetch unlimited: nothing to widen
-            return False
-        return sum(1 for p in self.parked.values() if p.qos is not None) < window
+    def _window_full(self) -> bool:
+        """Whether a window's worth of parked tasks already widened the prefetch window, so
+        that one more parked task would hold a place of the window itself. Then it goes to
+        its child instead (which most often retries it through the broker): parked, it would
+        keep the worker from fetching the tasks behind it in the queue, which may well be
+        able to run, while pool slots sit idle."""
+        window = self._window()
+        return window > 0 and self._widened() >= window
 
     # -- finished tasks wake parked ones -------------------------------------------------
 
