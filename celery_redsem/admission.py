@@ -29,6 +29,10 @@ a child, which retries it through the broker (acknowledging this message) before
 would deliver it a second time. Its total wait counts toward ``redsem_max_wait``; once that is
 spent it goes to a child, which fails it with :class:`~celery_redsem.AcquireTimeout`.
 
+The key function runs here, in the event loop, before every dispatch of a guarded task: a
+task whose key function once takes longer than :data:`SLOW_KEY_FUNCTION` is left to the pool
+children from then on, with a warning.
+
 Anything unusual hands the task to the child unchanged, which then waits or retries as
 :mod:`celery_redsem.task_guard` describes: pools without a slot semaphore (solo, threads,
 gevent, eventlet), tasks with several guards, a key function that fails (the child reports it),
@@ -67,7 +71,7 @@ from .task_guard import (
     present_waiter_lease,
 )
 
-__all__ = ["PAUSE_AFTER_ERROR", "Admission", "install_admission", "park_time"]
+__all__ = ["PAUSE_AFTER_ERROR", "SLOW_KEY_FUNCTION", "Admission", "install_admission", "park_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +87,9 @@ EARLY = 0.8
 #: Seconds after its delivery a task may still be parked; then its child retries it through
 #: the broker.
 MAX_PARKED = 60.0
+#: A key function that takes longer than this (seconds) in the worker's main process, where
+#: it holds up every other task's dispatch, is left to the pool children from then on.
+SLOW_KEY_FUNCTION = 0.05
 
 
 def park_time(*, position: int, limit: int, hold: float | None, tries: int) -> float:
@@ -124,6 +131,8 @@ class Admission:
         self._handed: dict[str, list[Any]] = {}
         self._usable: bool | None = None
         self._paused_until = 0.0
+        #: Tasks whose key function was too slow to run here (:data:`SLOW_KEY_FUNCTION`).
+        self._slow_keys: set[str] = set()
 
     # -- the hook -------------------------------------------------------------------------
 
@@ -165,7 +174,9 @@ class Admission:
         if not self._usable or time.monotonic() < self._paused_until:
             return None
         task = getattr(req, "task", None)
-        guards = guards_of(task) if task is not None else []
+        if task is None or task.name in self._slow_keys:
+            return None
+        guards = guards_of(task)
         if len(guards) != 1 or req.revoked():
             return None
         return guards[0]
@@ -180,10 +191,13 @@ class Admission:
         should decide."""
         task = req.task
         config = get_config(self.app)
+        started = time.monotonic()
         try:
             name = guard.name_for(task.name, call_arguments(task, req.args), req.kwargs or {})
         except Exception:  # the child reports a bad key function, visibly
             return None
+        finally:
+            self._time_key_function(task.name, time.monotonic() - started)
         sem = guard.semaphore(self.app, name, config)
         if sem.min_replicas:
             return None
@@ -230,6 +244,21 @@ class Admission:
             return again, asked
         self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)
         return None
+
+    def _time_key_function(self, task_name: str, took: float) -> None:
+        """Leave ``task_name`` to the pool children if its key function took ``took`` seconds
+        (over :data:`SLOW_KEY_FUNCTION`): here it holds up every other task's dispatch."""
+        if took > SLOW_KEY_FUNCTION and task_name not in self._slow_keys:
+            self._slow_keys.add(task_name)
+            logger.warning(
+                "celery_redsem: the key function of %s took %.3fs in the worker's main process, "
+                "where it holds up the dispatch of every task; from now on %s asks for its "
+                "permit in its pool child. Make the key a quick function of the arguments "
+                "(no database or network calls) to keep admission at dispatch.",
+                task_name,
+                took,
+                task_name,
+            )
 
     def _runs_here(self, req: Any, run: str) -> bool:
         """Whether another delivery of ``req``'s run (same task id and permit id) runs on this

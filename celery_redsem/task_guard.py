@@ -655,7 +655,14 @@ class TaskGuard:
         try:
             name = self.name_for(task_name, args, kwargs)
         except (KeyFunctionError, TypeError) as exc:
-            logger.debug("celery_redsem: no semaphore for %s[%s]: %s", task_name, permit_id, exc)
+            logger.warning(
+                "celery_redsem: could not work out the semaphore of %s[%s] in the worker's main "
+                "process to release its permit (%s); if it held one, the permit frees when its "
+                "lease ends",
+                task_name,
+                permit_id,
+                exc,
+            )
             return False
         return _release(self.semaphore(app, name), permit_id) is True
 

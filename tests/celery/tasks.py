@@ -330,6 +330,16 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def bad_key_task(mode: str) -> str:
         return "ran"
 
+    def slow_key(key: str) -> str:
+        counter().rpush(f"{prefix}:t:keypids:{key}", os.getpid())  # which process ran it
+        time.sleep(0.1)  # a database lookup, say: over admission's SLOW_KEY_FUNCTION
+        return f"slowkey:{key}"
+
+    @app.task(shared=False, bind=True, name="t.slow_key", max_retries=0)
+    @with_lock(key=slow_key)
+    def slow_key_task(self: Any, key: str) -> dict[str, Any]:
+        return describe(self.request)
+
     @app.task(shared=False, name="t.budget")
     @with_lock(key=lambda key: f"budget:{key}", max_wait=0.5)
     def budget(key: str) -> str:

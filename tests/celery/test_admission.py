@@ -164,6 +164,7 @@ class OneSlot(NamedTuple):
 
     queue: str
     node: str
+    worker: WorkerProcess
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +180,8 @@ def one_slot(
         "-Q",
         "one-slot",
         worker_prefetch_multiplier=1,
-    ):
-        yield OneSlot("one-slot", f"slot1@{socket.gethostname()}")
+    ) as procs:
+        yield OneSlot("one-slot", f"slot1@{socket.gethostname()}", procs[0])
 
 
 @pytest.mark.slow
@@ -201,6 +202,25 @@ def test_tasks_behind_a_busy_key_leave_the_window_to_the_tasks_behind_them(
     assert any(out["contention_retries"] > 0 for out in outs)  # not all were parked
     assert sem.state().holders == []
     assert sem.state().waiters == []
+
+
+@pytest.mark.slow
+def test_a_slow_key_function_is_left_to_the_pool_children(
+    app: Celery, one_slot: OneSlot, key: str
+) -> None:
+    # Admission runs the key function in the worker's main process, where a slow one holds
+    # up every dispatch: once it took too long, the task asks for its permit in its child.
+    calls = f"{app.conf.redsem_key_prefix}:t:keypids:{key}"
+    main_pid = str(one_slot.worker.proc.pid)
+    app.tasks["t.slow_key"].apply_async((key,), queue=one_slot.queue).get(timeout=20)
+    assert main_pid in [pid.decode() for pid in _counter(app).lrange(calls, 0, -1)]
+    assert "the key function of t.slow_key took" in one_slot.worker.log()
+    _counter(app).delete(calls)
+    app.tasks["t.slow_key"].apply_async((key,), queue=one_slot.queue).get(timeout=20)
+    pids = [pid.decode() for pid in _counter(app).lrange(calls, 0, -1)]
+    assert pids, "the key function did not run"
+    assert main_pid not in pids  # only the pool child ran it
+    assert holder(app, f"slowkey:{key}").state().holders == []
 
 
 @pytest.mark.slow

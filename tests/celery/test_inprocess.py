@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -13,7 +14,7 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError, read_state
-from celery_redsem.task_guard import WAIT_HEADER
+from celery_redsem.task_guard import WAIT_HEADER, guards_of
 from tests.celery.conftest import blocked, close_app, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
@@ -314,3 +315,17 @@ def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worke
 
 def test_a_forged_grant_header_is_not_trusted(app: Celery, worker: object, key: str) -> None:
     forged_grant_runs_nothing(app, key)  # threads pool: nothing is parked, the header still goes
+
+
+def test_a_release_whose_key_function_fails_is_logged_as_a_warning(
+    app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # After a child died the main process works out the semaphore again to release the
+    # permit; if it cannot, the permit stays held until its lease ends, which the log says.
+    (guard,) = guards_of(app.tasks["t.bad_key"])
+    with caplog.at_level(logging.WARNING, logger="celery_redsem"):
+        assert guard.release_by_id(app, "t.bad_key", ("raise",), {}, "run-1") is False
+    (record,) = [r for r in caplog.records if "run-1" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert "key function exploded" in record.getMessage()
+    assert "frees when its lease ends" in record.getMessage()
