@@ -686,6 +686,27 @@ def test_places_whose_waiter_leases_were_lost_leave_the_line(redis_client, prefi
     assert isinstance(sem.attempt("alive", join_line=True, waiter_lease=60), Permit)
 
 
+def test_due_times_of_places_lost_with_the_line_do_not_hold_permits(redis_client, prefix):
+    # The line's order and waiter leases are lost (evicted, deleted) but its due times are
+    # not: those are nobody's places, and must not keep a free permit from a newcomer.
+    sem = make(redis_client, prefix, limit=2, lease=60, waiter_lease=60)
+    first, second = sem.acquire(), sem.acquire()
+    assert first is not None
+    assert second is not None
+    sem.attempt("ghost-1", join_line=True)
+    sem.attempt("ghost-2", join_line=True)
+    redis_client.delete(sem.keys.waiters, sem.keys.waiter_expiry)
+    assert sem.release(first)
+    assert sem.release(second)
+    holder, last = sem.acquire(), sem.acquire()
+    assert holder is not None
+    assert last is not None
+    assert isinstance(sem.attempt("away", join_line=True, back_in=50), Waiting)
+    assert sem.release(last)  # one permit free; the only live waiter is away for 50 s
+    assert isinstance(sem.attempt("newcomer"), Permit)
+    assert redis_client.zrange(sem.keys.waiter_due, 0, -1) == [b"away"]
+
+
 def test_more_lapsed_places_than_one_sweep_batch_are_all_swept(redis_client, prefix):
     sem = make(redis_client, prefix, limit=1, lease=30)
     holder = sem.acquire()

@@ -136,10 +136,12 @@ local function helpers()
     return held, earliest
   end
 
-  -- Remove waiters whose waiter lease ended, and places with no waiter lease at all (their
-  -- wexp entry was lost with the key: a DEL, an eviction). Each kind at most SWEEP_ROUNDS
-  -- batches a call, from the head of the line, so that a crowd of dead places cannot block
-  -- the server long; the next calls take the rest. Returns the number still in line.
+  -- Remove waiters whose waiter lease ended, places with no waiter lease at all (their
+  -- wexp entry was lost with the key: a DEL, an eviction), and due times and waiter leases
+  -- of places that are no longer in line (lost with the waiters key): counted as due, they
+  -- would keep permits from everyone else. Each kind at most SWEEP_ROUNDS batches a call,
+  -- from the head of the line, so that a crowd of dead places cannot block the server long;
+  -- the next calls take the rest. Returns the number still in line.
   function h.sweep_waiters(waiters, wexp, wdue, now)
     for _ = 1, SWEEP_ROUNDS do
       local left = redis.call('ZRANGEBYSCORE', wexp, '-inf', now, 'LIMIT', 0, SWEEP_BATCH)
@@ -170,6 +172,24 @@ local function helpers()
         redis.call('ZREM', wdue, unpack(orphans, i, last))
       end
       queued = queued - #orphans
+    end
+    local dues = redis.call('ZCARD', wdue)
+    if dues > queued then -- due times of places that are gone (lost with the waiters key)
+      local stray = {}
+      for start = 0, math.min(dues, SWEEP_ROUNDS * SWEEP_BATCH) - 1, 100 do
+        local ids = redis.call('ZRANGE', wdue, start, start + 99)
+        local tickets = redis.call('ZMSCORE', waiters, unpack(ids))
+        for i, id in ipairs(ids) do
+          if not tickets[i] then
+            stray[#stray + 1] = id
+          end
+        end
+      end
+      for i = 1, #stray, SWEEP_BATCH do
+        local last = math.min(i + SWEEP_BATCH - 1, #stray)
+        redis.call('ZREM', wdue, unpack(stray, i, last))
+        redis.call('ZREM', wexp, unpack(stray, i, last))
+      end
     end
     return queued
   end
