@@ -136,6 +136,31 @@ local function helpers()
     return held, earliest
   end
 
+  -- Members among the first `count` (>= 1, at most SWEEP_ROUNDS batches) of the zset
+  -- `from` that have no score in the zset `other`.
+  function h.missing_from(from, other, count)
+    local missing = {}
+    for start = 0, math.min(count, SWEEP_ROUNDS * SWEEP_BATCH) - 1, 100 do
+      local ids = redis.call('ZRANGE', from, start, start + 99)
+      local scores = redis.call('ZMSCORE', other, unpack(ids))
+      for i, id in ipairs(ids) do
+        if not scores[i] then
+          missing[#missing + 1] = id
+        end
+      end
+    end
+    return missing
+  end
+
+  -- Remove the members `ids` from the zsets `a` and `b`, SWEEP_BATCH at a time.
+  function h.remove_from(a, b, ids)
+    for i = 1, #ids, SWEEP_BATCH do
+      local last = math.min(i + SWEEP_BATCH - 1, #ids)
+      redis.call('ZREM', a, unpack(ids, i, last))
+      redis.call('ZREM', b, unpack(ids, i, last))
+    end
+  end
+
   -- Remove waiters whose waiter lease ended, places with no waiter lease at all (their
   -- wexp entry was lost with the key: a DEL, an eviction), and due times and waiter leases
   -- of places that are no longer in line (lost with the waiters key): counted as due, they
@@ -155,41 +180,14 @@ local function helpers()
       end
     end
     local queued = redis.call('ZCARD', waiters)
-    if queued > redis.call('ZCARD', wexp) then
-      local orphans = {}
-      for start = 0, math.min(queued, SWEEP_ROUNDS * SWEEP_BATCH) - 1, 100 do
-        local ids = redis.call('ZRANGE', waiters, start, start + 99)
-        local until_ms = redis.call('ZMSCORE', wexp, unpack(ids))
-        for i, id in ipairs(ids) do
-          if not until_ms[i] then
-            orphans[#orphans + 1] = id
-          end
-        end
-      end
-      for i = 1, #orphans, SWEEP_BATCH do
-        local last = math.min(i + SWEEP_BATCH - 1, #orphans)
-        redis.call('ZREM', waiters, unpack(orphans, i, last))
-        redis.call('ZREM', wdue, unpack(orphans, i, last))
-      end
+    if queued > redis.call('ZCARD', wexp) then -- places with no waiter lease
+      local orphans = h.missing_from(waiters, wexp, queued)
+      h.remove_from(waiters, wdue, orphans)
       queued = queued - #orphans
     end
     local dues = redis.call('ZCARD', wdue)
     if dues > queued then -- due times of places that are gone (lost with the waiters key)
-      local stray = {}
-      for start = 0, math.min(dues, SWEEP_ROUNDS * SWEEP_BATCH) - 1, 100 do
-        local ids = redis.call('ZRANGE', wdue, start, start + 99)
-        local tickets = redis.call('ZMSCORE', waiters, unpack(ids))
-        for i, id in ipairs(ids) do
-          if not tickets[i] then
-            stray[#stray + 1] = id
-          end
-        end
-      end
-      for i = 1, #stray, SWEEP_BATCH do
-        local last = math.min(i + SWEEP_BATCH - 1, #stray)
-        redis.call('ZREM', wdue, unpack(stray, i, last))
-        redis.call('ZREM', wexp, unpack(stray, i, last))
-      end
+      h.remove_from(wdue, wexp, h.missing_from(wdue, waiters, dues))
     end
     return queued
   end
