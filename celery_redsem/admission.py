@@ -233,8 +233,8 @@ class Admission:
         held_for = asked - received_at  # the broker's visibility clock runs from delivery
         longest = self._longest_park()
         if held_for >= longest or self._window_full():
-            # The child retries it: a new message (with a countdown, held as an ETA task is),
-            # this one acknowledged, so it no longer holds a place in the prefetch window.
+            # The child decides, most often a retry: a new message (with a countdown, held as
+            # an ETA task is), this one acknowledged, no longer holding a place in the window.
             _stamp_wait(req, first_ms)
             return None
         park = min(park, max(MIN_PARK, longest - held_for))
@@ -312,8 +312,7 @@ class Admission:
         does, so that the worker keeps fetching tasks it can run): at most a window's worth
         of parked tasks widen it, so that one busy key cannot make the worker reserve the
         whole queue behind it."""
-        window = self._window()
-        return window > 0 and self._widened() < window
+        return self._widened() < self._window()  # never with prefetch unlimited (0)
 
     def _window_full(self) -> bool:
         """Whether a window's worth of parked tasks already widened the prefetch window, so
@@ -321,8 +320,7 @@ class Admission:
         its child instead (which most often retries it through the broker): parked, it would
         keep the worker from fetching the tasks behind it in the queue, which may well be
         able to run, while pool slots sit idle."""
-        window = self._window()
-        return window > 0 and self._widened() >= window
+        return self._window() > 0 and not self._may_widen_window()
 
     # -- finished tasks wake parked ones -------------------------------------------------
 
