@@ -707,6 +707,21 @@ def test_due_times_of_places_lost_with_the_line_do_not_hold_permits(redis_client
     assert redis_client.zrange(sem.keys.waiter_due, 0, -1) == [b"away"]
 
 
+def test_a_waiter_whose_due_time_was_lost_is_not_jumped(redis_client, prefix):
+    # Only the due times are lost (evicted, deleted): a place with none counts as due, since
+    # its waiter may be blocked on a wake-up now, so a newcomer does not take its permit.
+    sem = make(redis_client, prefix, limit=1, lease=30, waiter_lease=60)
+    holder = sem.acquire()
+    assert holder is not None
+    assert isinstance(sem.attempt("first", join_line=True), Waiting)
+    assert isinstance(sem.attempt("second", join_line=True, back_in=50), Waiting)
+    redis_client.delete(sem.keys.waiter_due)
+    assert isinstance(sem.attempt("second", join_line=True, back_in=50), Waiting)  # re-dated
+    assert sem.release(holder)
+    assert sem.attempt("newcomer") == Waiting("newcomer", sem.name, 0, 0)
+    assert isinstance(sem.attempt("first", join_line=True), Permit)
+
+
 def test_more_lapsed_places_than_one_sweep_batch_are_all_swept(redis_client, prefix):
     sem = make(redis_client, prefix, limit=1, lease=30)
     holder = sem.acquire()

@@ -68,18 +68,21 @@ local function helpers()
   -- How many of the first `n` waiters (ranks 0..n-1; `mine` is the ticket at rank n, if any)
   -- are due (back, or late) at `now`; counting stops at `cap`. It walks whichever is shorter:
   -- the waiters ahead, or the due waiters. In Celery most waiters are away on a countdown.
+  -- A place with no due time (lost with the key: evicted, deleted; its waiter writes it
+  -- again when it comes back) counts as due: its waiter may be blocked on a wake-up now.
   function h.due_ahead(waiters, wdue, n, queued, mine, now, cap)
     if n <= 0 or cap <= 0 then
       return 0
     end
     local due = redis.call('ZCOUNT', wdue, '-inf', now)
-    if due == 0 or n >= queued then
+    local undated = due < cap and redis.call('ZCARD', wdue) < queued
+    if not undated and (due == 0 or n >= queued) then
       return math.min(due, cap)
     end
     local count = 0
     local function tally(scores, ok)
       for _, score in ipairs(scores) do
-        if score and ok(tonumber(score)) then
+        if ok(score and tonumber(score)) then
           count = count + 1
           if count >= cap then
             return true
@@ -88,20 +91,20 @@ local function helpers()
       end
       return false
     end
-    if due < n then -- walk the due waiters, count those with an earlier ticket
+    if due < n and not undated then -- walk the due waiters, count those with an earlier ticket
       for start = 0, due - 1, 100 do
         local ids = redis.call('ZRANGEBYSCORE', wdue, '-inf', now, 'LIMIT', start, 100)
         if #ids == 0 or tally(redis.call('ZMSCORE', waiters, unpack(ids)),
-            function(ticket) return ticket < mine end) then
+            function(ticket) return ticket and ticket < mine end) then
           break
         end
       end
       return count
     end
-    for start = 0, n - 1, 100 do -- walk the waiters ahead, count the due ones
+    for start = 0, n - 1, 100 do -- walk the waiters ahead, count the due (or undated) ones
       local ids = redis.call('ZRANGE', waiters, start, math.min(start + 99, n - 1))
       if #ids == 0 or tally(redis.call('ZMSCORE', wdue, unpack(ids)),
-          function(at) return at <= now end) then
+          function(at) return not at or at <= now end) then
         break
       end
     end
