@@ -18,7 +18,7 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -190,7 +190,7 @@ class RedsemConfig:
         return cls(
             redis_url=url,
             redis_url_source=source,
-            redis_options={**DEFAULT_REDIS_OPTIONS, **read.mapping("redsem_redis_options")},
+            redis_options={**DEFAULT_REDIS_OPTIONS, **read.redis_options("redsem_redis_options")},
             key_prefix=read.prefix("redsem_key_prefix"),
             lease=read.seconds("redsem_lease"),
             idle_ttl=read.seconds("redsem_idle_ttl"),
@@ -208,6 +208,25 @@ class RedsemConfig:
             replica_timeout=read.seconds("redsem_replica_timeout"),
             check_eviction_policy=read.boolean("redsem_check_eviction_policy"),
         )
+
+
+def _seconds_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, int | float) and 0 < value < math.inf)
+
+
+#: redis-py options that redis-py does not check until it connects: what each must be.
+_TIMING_OPTIONS: Mapping[str, tuple[str, Callable[[Any], bool]]] = {
+    "socket_timeout": ("a number of seconds > 0 or None", _seconds_or_none),
+    "socket_connect_timeout": ("a number of seconds > 0 or None", _seconds_or_none),
+    "health_check_interval": (
+        "a number of seconds >= 0",
+        lambda value: isinstance(value, int | float) and 0 <= value < math.inf,
+    ),
+    "max_connections": (
+        "an int >= 1 or None",
+        lambda value: value is None or (isinstance(value, int) and value >= 1),
+    ),
+}
 
 
 class _Reader:
@@ -266,6 +285,16 @@ class _Reader:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise self._fail(name, "a dict of redis-py keyword arguments", value)
         return dict(value)
+
+    def redis_options(self, name: str) -> dict[str, Any]:
+        """redis-py keyword arguments; the timing ones are checked here, since redis-py
+        takes any value and fails only when it connects (a str read from the environment)."""
+        options = self.mapping(name)
+        for option, (expected, ok) in _TIMING_OPTIONS.items():
+            value = options.get(option)
+            if option in options and (isinstance(value, bool) or not ok(value)):
+                raise self._fail(name, f"a dict whose {option!r} is {expected}", options)
+        return options
 
     def prefix(self, name: str) -> str:
         value = self.get(name)
