@@ -386,18 +386,25 @@ def _warn_about_unknown_settings(conf: Mapping[str, Any]) -> None:
             )
 
 
+def refresh_stall_warning(config: RedsemConfig, lease: float, whose: str) -> str | None:
+    """A warning if one hung Redis call could outlast a heartbeat interval (``lease`` / 3);
+    ``whose``: where the lease is set (``redsem_lease``, a task's ``lease=``)."""
+    timeout = config.redis_options.get("socket_timeout")
+    if not isinstance(timeout, int | float) or timeout <= lease / 3:
+        return None
+    return (
+        f"celery_redsem: the Redis client's socket_timeout ({timeout}s: redsem_redis_options, "
+        f"or its default) is longer than a heartbeat interval ({whose}={lease}s / 3): one hung "
+        "refresh can hold up the others for longer than that; set a socket_timeout of at "
+        "most lease/3 in redsem_redis_options"
+    )
+
+
 def _warn_if_refresh_can_stall(config: RedsemConfig) -> None:
     """Log a warning when one hung Redis call could outlast a heartbeat interval (lease/3)."""
-    timeout = config.redis_options.get("socket_timeout")
-    if isinstance(timeout, int | float) and timeout > config.lease / 3:
-        logger.warning(
-            "celery_redsem: the Redis client's socket_timeout (%ss: redsem_redis_options, or "
-            "its default) is longer than a heartbeat interval (redsem_lease=%ss / 3): one hung "
-            "refresh can hold up the others for longer than that; set a socket_timeout of at "
-            "most lease/3 in redsem_redis_options",
-            timeout,
-            config.lease,
-        )
+    warning = refresh_stall_warning(config, config.lease, "redsem_lease")
+    if warning:
+        logger.warning(warning)
 
 
 def get_client(app: Celery) -> RedisClient:

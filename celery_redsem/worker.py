@@ -44,7 +44,7 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
 from .admission import install_admission
-from .config import get_client, get_config
+from .config import RedsemConfig, get_client, get_config, refresh_stall_warning
 from .errors import REDIS_ERRORS, RedsemError, is_transient
 from .permit_ids import permit_id_of
 from .semaphore import RedisClient
@@ -227,6 +227,19 @@ def check_late_acks(app: Celery, tasks: list[Task[Any, Any]]) -> str | None:
     )
 
 
+def check_task_leases(config: RedsemConfig, tasks: list[Task[Any, Any]]) -> list[str]:
+    """A warning for each task whose own ``lease=`` is so short that one hung Redis call can
+    outlast a heartbeat interval (``redsem_lease`` is checked when the settings are read)."""
+    warnings = []
+    for task in tasks:
+        for guard in guards_of(task):
+            if guard.lease is not None:
+                warning = refresh_stall_warning(config, guard.lease, f"{task.name}'s lease")
+                if warning:
+                    warnings.append(warning)
+    return warnings
+
+
 @worker_init.connect(weak=False, dispatch_uid="celery_redsem.worker.on_worker_init")
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app: Celery | None = getattr(sender, "app", None)
@@ -244,6 +257,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         logger.warning(warning)
     try:
         config = get_config(app)
+        for warning in check_task_leases(config, guarded):
+            logger.warning(warning)
         if config.worker_admission:
             install_admission(sender, app)
         if config.check_eviction_policy:

@@ -6,8 +6,10 @@ import pytest
 from celery import Celery, _state, current_app
 from celery.local import Proxy
 
-from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config
-from celery_redsem.config import SETTINGS
+from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config, with_lock
+from celery_redsem.config import SETTINGS, reset
+from celery_redsem.task_guard import iter_guarded_tasks
+from celery_redsem.worker import check_task_leases
 from tests.celery.conftest import true_in_forked_child
 
 
@@ -165,6 +167,26 @@ def test_a_socket_timeout_longer_than_a_heartbeat_interval_is_warned_about(
     caplog.set_level("WARNING", logger="celery_redsem.config")
     get_config(app)
     assert any("heartbeat interval" in r.getMessage() for r in caplog.records) == warns
+
+
+def test_a_task_lease_shorter_than_three_socket_timeouts_is_warned_about() -> None:
+    app = Celery("redsem-task-lease", broker="memory://", set_as_current=False)
+
+    @app.task(shared=False, name="t.short")
+    @with_lock(key="short", lease=0.3)  # the default socket_timeout is 2 s
+    def short() -> None: ...
+
+    @app.task(shared=False, name="t.long")
+    @with_lock(key="long", lease=30)
+    def long() -> None: ...
+
+    app.finalize()
+    tasks = [task for task, _ in iter_guarded_tasks(app)]
+    (warning,) = check_task_leases(get_config(app), tasks)
+    assert "t.short's lease=0.3s / 3" in warning
+    app.conf.redsem_redis_options = {"socket_timeout": 0.05}
+    reset(app)
+    assert check_task_leases(get_config(app), tasks) == []
 
 
 def test_a_misspelled_setting_is_warned_about_with_the_likely_name(
