@@ -37,7 +37,8 @@ Anything unusual hands the task to the child unchanged, which then waits or retr
 :mod:`celery_redsem.task_guard` describes: pools without a slot semaphore (solo, threads,
 gevent, eventlet), tasks with several guards, a key function that fails (the child reports it),
 ``min_replicas`` (its ``WAIT`` would stall the event loop), and Redis errors (admission pauses
-for :data:`PAUSE_AFTER_ERROR` seconds). ``redsem_worker_admission = False`` turns it off.
+for :data:`PAUSE_AFTER_ERROR` seconds, longer after each error in a row).
+``redsem_worker_admission = False`` turns it off.
 """
 
 from __future__ import annotations
@@ -71,12 +72,22 @@ from .task_guard import (
     present_waiter_lease,
 )
 
-__all__ = ["PAUSE_AFTER_ERROR", "SLOW_KEY_FUNCTION", "Admission", "install_admission", "park_time"]
+__all__ = [
+    "MAX_PAUSE_AFTER_ERROR",
+    "PAUSE_AFTER_ERROR",
+    "SLOW_KEY_FUNCTION",
+    "Admission",
+    "install_admission",
+    "park_time",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds admission hands every task straight to the pool after a Redis error.
+#: Seconds admission hands every task straight to the pool after a Redis error, doubling
+#: with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`: a Redis that hangs (rather
+#: than refuses) blocks the event loop for a socket timeout at each try.
 PAUSE_AFTER_ERROR = 5.0
+MAX_PAUSE_AFTER_ERROR = 60.0
 #: Bounds on how long a parked task waits before it asks again.
 MIN_PARK = 0.002
 MAX_PARK = 1.0
@@ -131,6 +142,7 @@ class Admission:
         self._handed: dict[str, list[Any]] = {}
         self._usable: bool | None = None
         self._paused_until = 0.0
+        self._errors_in_row = 0  # Redis errors since admission last got an answer
         #: Tasks whose key function was too slow to run here (:data:`SLOW_KEY_FUNCTION`).
         self._slow_keys: set[str] = set()
 
@@ -146,11 +158,11 @@ class Admission:
         try:
             granted = self._ask(req, guard, earlier)
         except BackendError as exc:
-            self._paused_until = time.monotonic() + PAUSE_AFTER_ERROR
+            pause = min(MAX_PAUSE_AFTER_ERROR, PAUSE_AFTER_ERROR * 2.0**self._errors_in_row)
+            self._errors_in_row += 1
+            self._paused_until = time.monotonic() + pause
             logger.warning(
-                "celery_redsem: admission paused for %.0fs after a Redis error: %s",
-                PAUSE_AFTER_ERROR,
-                exc,
+                "celery_redsem: admission paused for %.0fs after a Redis error: %s", pause, exc
             )
             granted = None
         except Exception:  # never lose a task to a bug here: the child decides
@@ -208,6 +220,7 @@ class Admission:
         present = present_waiter_lease(config)
         asked = time.monotonic()
         result = _attempt(sem, run, waiter_lease=present)
+        self._errors_in_row = 0
         if isinstance(result, Permit):
             return result, asked
         now_ms = _server_ms(result, present)

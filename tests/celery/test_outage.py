@@ -7,6 +7,7 @@ listens on its port), then starts; broker and results stay on the test server th
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import Counter
@@ -20,7 +21,7 @@ from celery.contrib.testing.worker import start_worker
 from celery.signals import task_retry
 
 from celery_redsem import BackendError, FairSemaphore
-from tests.celery.conftest import close_app
+from tests.celery.conftest import close_app, running_workers
 from tests.celery.tasks import make_app
 from tests.servers import ServerProcess, wait_until
 
@@ -194,3 +195,42 @@ def test_an_eager_call_fails_at_once_with_backend_error_when_redis_is_down(
         assert time.monotonic() - started < 10  # at once, not after redsem_eager_timeout
     finally:
         close_app(eager)
+
+
+@pytest.fixture
+def hung_server_url() -> Iterator[str]:
+    """A server that takes connections and never answers: hung, not refusing (the kernel
+    completes the handshakes of connections nobody accepts, up to the backlog)."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+
+
+def test_admission_pauses_longer_after_each_error_in_a_row(
+    redis_url: str, module_prefix: str, tmp_path: Path, hung_server_url: str, key: str
+) -> None:
+    # Each try on a hung Redis blocks the worker's event loop for a socket timeout, holding
+    # up every task: admission pauses 5 s after the first error, 10 s after the next ...
+    prefix = f"{module_prefix}:hung"
+    app = make_app(redis_url, prefix)  # sends the tasks: the workers' broker
+    try:
+        with running_workers(
+            redis_url,
+            prefix,
+            tmp_path,
+            ["hung"],
+            2,
+            redsem_redis_url=hung_server_url,
+            redsem_redis_options={"socket_timeout": 0.3, "socket_connect_timeout": 0.3},
+            redsem_check_eviction_policy=False,
+        ) as (worker,):
+            for n in range(4):  # retried after each error: they keep coming back
+                app.tasks["t.locked"].delay(f"{key}-{n}")
+            wait_until(
+                lambda: "admission paused for 10s" in worker.log(), 20, what="a longer pause"
+            )
+            pauses = [line for line in worker.log().splitlines() if "admission paused" in line]
+        assert len(pauses) == 2
+        assert "paused for 5s after a Redis error" in pauses[0]
+        assert "Timeout" in pauses[0]
+    finally:
+        close_app(app)
