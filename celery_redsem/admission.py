@@ -36,7 +36,8 @@ children from then on, with a warning.
 Anything unusual hands the task to the child unchanged, which then waits or retries as
 :mod:`celery_redsem.task_guard` describes: pools without a slot semaphore (solo, threads,
 gevent, eventlet), tasks with several guards, a key function that fails (the child reports it),
-``min_replicas`` (its ``WAIT`` would stall the event loop), and Redis errors (admission pauses
+``min_replicas`` (its ``WAIT`` would stall the event loop), a worker that is shutting down
+(its parked tasks are left to be delivered again), and Redis errors (admission pauses
 for :data:`PAUSE_AFTER_ERROR` seconds, longer after each error in a row).
 ``redsem_worker_admission = False`` turns it off.
 """
@@ -50,7 +51,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.app.task import Context
 from celery.worker import state as worker_state
 
@@ -82,6 +83,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_BLUEPRINT_RUNNING: int = bootsteps.RUN  # type: ignore[attr-defined]  # (not in the stubs)
 
 #: Seconds admission hands every task straight to the pool after a Redis error, doubling
 #: with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`: a Redis that hangs (rather
@@ -152,6 +155,8 @@ class Admission:
         """Stands in for the worker's ``_process_task``: called with a slot taken for ``req``."""
         earlier = self.parked.pop(req, None)
         clear_grant(req.request_dict)
+        if self._stopping():  # a grant now might never run here: the child asks, if it runs
+            return self._dispatch(req)
         guard = self._guard_to_admit(req)
         if guard is None:
             return self._dispatch(req)
@@ -176,6 +181,15 @@ class Admission:
             self._handed.setdefault(permit_id_of(req), []).append(req)
             self._watch(req, permit.name)
         return self._dispatch(req)
+
+    def _stopping(self) -> bool:
+        """Whether the worker is shutting down (its pool may run nothing more)."""
+        for flag in (worker_state.should_stop, worker_state.should_terminate):
+            if flag is not None and flag is not False:  # an exit code, 0 included
+                return True
+        blueprint = getattr(self.controller, "blueprint", None)
+        state: object = getattr(blueprint, "state", _BLUEPRINT_RUNNING)
+        return state != _BLUEPRINT_RUNNING
 
     def _guard_to_admit(self, req: Any) -> TaskGuard | None:
         """The one guard of ``req``'s task if admission decides for it, else None."""
@@ -416,7 +430,7 @@ class Admission:
         # (after a reconnection the consumer has a new window, which never counted it).
         if parked.qos is not None:
             parked.qos.decrement_eventually()
-        if getattr(consumer, "connection", None) is not parked.connection:
+        if self._stopping() or getattr(consumer, "connection", None) is not parked.connection:
             self.parked.pop(req, None)  # its message will be delivered again
             return
         semaphore = _slot_semaphore(self.controller)

@@ -17,11 +17,13 @@ from celery_redsem.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
 from tests.celery.conftest import (
     WorkerProcess,
     blocked,
+    close_app,
     forged_grant_runs_nothing,
     holder,
     retried_run_waits_for_the_run_that_queued_it,
     running_workers,
 )
+from tests.celery.tasks import make_app
 from tests.servers import wait_until
 
 
@@ -428,3 +430,31 @@ def test_a_run_the_body_retried_into_is_parked_until_the_run_that_queued_it_ends
     # Admission asks for the retried run under its own permit id: it is parked, not handed
     # the ending run's grant (and not mistaken for a second delivery of that run).
     retried_run_waits_for_the_run_that_queued_it(app, key)
+
+
+def test_a_warm_shutdown_grants_no_permit_to_a_parked_task(
+    redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # The running task ends during the shutdown and wakes a parked one: granted then, it
+    # would never run here, and its permit would keep the lock until its lease ran out.
+    prefix = f"{module_prefix}:shutdown"
+    app = make_app(redis_url, prefix, redsem_lease=30.0)
+    try:
+        with running_workers(redis_url, prefix, tmp_path, ["sd"], 2, redsem_lease=30.0) as (
+            worker,
+        ):
+            sem = holder(app, f"locked:{key}")
+            first = app.tasks["t.locked"].delay(key, 1.0)
+            wait_until(lambda: [h.permit_id for h in sem.holders()] == [first.id], 20, what="held")
+            parked = [app.tasks["t.locked"].delay(key, 1.0) for _ in range(2)]
+            wait_until(lambda: len(sem.waiters()) == 2, 20, what="two tasks parked in line")
+            worker.begin_stop()
+            worker.proc.wait(30)
+        assert first.get(timeout=10)["name"] == f"locked:{key}"  # ran to its end, shutting down
+        assert sem.holders() == []  # no permit for a task that did not run
+        assert all(result.state == "PENDING" for result in parked)
+        with running_workers(redis_url, prefix, tmp_path, ["sd2"], 2, redsem_lease=30.0):
+            for result in parked:  # delivered again: not lost
+                assert result.get(timeout=30)["name"] == f"locked:{key}"
+    finally:
+        close_app(app)
