@@ -205,6 +205,42 @@ def test_refresh_of_a_released_permit_reports_it_lost(redis_client, prefix):
     assert sem.holders() == []
 
 
+def test_a_refresh_of_an_earlier_grant_leaves_a_later_grant_of_the_id_alone(redis_client, prefix):
+    # The id was granted again (as a task run's id is after a redelivery): refreshing the
+    # first grant neither renews the second nor writes its own token over it.
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    first = sem.acquire(permit_id="run-1")
+    assert first is not None
+    assert sem.release(first)
+    second = sem.acquire(permit_id="run-1")
+    assert second is not None
+    with pytest.raises(PermitLost):
+        sem.refresh(first)
+    assert refresh_permits(redis_client, [first]).lost == [first]
+    (held,) = sem.holders()
+    assert (held.permit_id, held.token, held.expires_at) == (
+        "run-1",
+        second.token,
+        second.expires_at,
+    )
+
+
+def test_refreshes_keep_the_holders_hash_alive_past_its_first_ttl(redis_client, prefix):
+    sem = make(redis_client, prefix, lease=0.6, idle_ttl=0.2)  # the hash outlives a lease by 0.2 s
+    first = sem.acquire()
+    assert first is not None
+    permit = first
+
+    def refreshed_past_the_first_ttl() -> bool:
+        nonlocal permit
+        permit = sem.refresh(permit)  # PermitLost if the hash expired under it
+        return server_ms(redis_client) > first.expires_at + 500
+
+    wait_until(refreshed_past_the_first_ttl, timeout=5, interval=0.05, what="time to pass")
+    assert [h.permit_id for h in sem.holders()] == [first.id]
+    assert redis_client.pttl(sem.keys.holders) > 0
+
+
 def test_batched_refresh_reports_each_lost_permit(redis_client, prefix):
     a = FairSemaphore(redis_client, "a", 2, prefix=prefix, lease=5)
     b = FairSemaphore(redis_client, "b", 2, prefix=prefix, lease=5)
@@ -705,6 +741,24 @@ def test_due_times_of_places_lost_with_the_line_do_not_hold_permits(redis_client
     assert sem.release(last)  # one permit free; the only live waiter is away for 50 s
     assert isinstance(sem.attempt("newcomer"), Permit)
     assert redis_client.zrange(sem.keys.waiter_due, 0, -1) == [b"away"]
+
+
+def test_a_waiter_that_keeps_asking_keeps_its_place_past_its_first_waiter_lease(
+    redis_client, prefix
+):
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    assert sem.acquire() is not None
+    first = sem.attempt("first", join_line=True, waiter_lease=0.5)
+    assert isinstance(first, Waiting)
+    assert isinstance(sem.attempt("second", join_line=True, waiter_lease=30), Waiting)
+
+    def asked_again_past_the_first_waiter_lease() -> bool:
+        again = sem.attempt("first", join_line=True, waiter_lease=0.5)  # renews the place
+        assert again == Waiting("first", sem.name, 1, again.expires_at)
+        return server_ms(redis_client) > first.expires_at + 300
+
+    wait_until(asked_again_past_the_first_waiter_lease, 5, interval=0.1, what="time to pass")
+    assert [w.permit_id for w in sem.waiters()] == ["first", "second"]
 
 
 def test_a_waiter_whose_due_time_was_lost_is_not_jumped(redis_client, prefix):

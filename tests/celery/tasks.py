@@ -271,6 +271,18 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
             time.sleep(0.02)
         return "not interrupted"
 
+    @app.task(shared=False, bind=True, name="t.lost_swallowed")
+    @with_lock(key=lambda key: f"lost:{key}", lost_lease_policy="raise")
+    def lost_swallowed(self: Any, key: str) -> str:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
+        except Exception:  # a broad handler in the body takes the interrupt too
+            return "swallowed"
+        return "not interrupted"
+
     def held_until_go(key: str) -> str:
         counter().set(f"{prefix}:t:pid:{key}", os.getpid())
         counter().blpop([f"{prefix}:t:go:{key}"], timeout=20)

@@ -206,6 +206,18 @@ def test_raise_policy_interrupts_the_body_on_a_lost_lease(
     assert time.monotonic() - taken < 5  # the body was interrupted, not run to its end (30 s)
 
 
+def test_raise_policy_fails_a_body_that_swallowed_the_interrupt(
+    app: Celery, workers: list[WorkerProcess], key: str
+) -> None:
+    # The body's own `except Exception` caught the interrupt and returned: the task still
+    # fails, as it ran on after its permit was gone.
+    result = app.tasks["t.lost_swallowed"].delay(key)
+    _pid(app, key)
+    assert holder(app, f"lost:{key}").release(result.id)  # an operator takes it away
+    with pytest.raises(PermitLost, match="lost its lease"):
+        result.get(timeout=15)
+
+
 @pytest.mark.parametrize("policy", ["log", "raise"])
 def test_a_permit_taken_away_before_any_refresh_is_reported_when_the_body_ends(
     app: Celery, workers: list[WorkerProcess], key: str, policy: str
