@@ -432,6 +432,7 @@ def test_a_run_the_body_retried_into_is_parked_until_the_run_that_queued_it_ends
     retried_run_waits_for_the_run_that_queued_it(app, key)
 
 
+@pytest.mark.slow
 def test_a_warm_shutdown_grants_no_permit_to_a_parked_task(
     redis_url: str, module_prefix: str, tmp_path: Path, key: str
 ) -> None:

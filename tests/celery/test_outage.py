@@ -205,6 +205,7 @@ def hung_server_url() -> Iterator[str]:
         yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
 
 
+@pytest.mark.slow
 def test_admission_pauses_longer_after_each_error_in_a_row(
     redis_url: str, module_prefix: str, tmp_path: Path, hung_server_url: str, key: str
 ) -> None:
