@@ -1,6 +1,6 @@
 """The Lua scripts checked against a tiny pure-Python model of a fair semaphore (leases long enough
 never to expire), for random sequences of tries, queued tries (present, or away on a long
-countdown) and releases."""
+countdown), releases, and the loss of the line's due times."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from celery_redsem import FairSemaphore, Permit, Waiting
 
 IDS = [f"t{i}" for i in range(6)]
-# An attempt to try once, to wait in line, or to wait away on a countdown; or a release.
+# An attempt to try once, to wait in line, or to wait away on a countdown; or a release; or
+# the loss of the line's due times (an eviction, a DEL): every place counts as due then.
 op = st.one_of(
     st.tuples(st.just("attempt"), st.sampled_from(IDS), st.sampled_from(["try", "wait", "away"])),
     st.tuples(st.just("release"), st.sampled_from(IDS), st.just("")),
+    st.tuples(st.just("lose_due_times"), st.just(""), st.just("")),
 )
 
 
@@ -48,6 +50,9 @@ class Model:
             self.away.discard(pid)
         return False, self.line.index(pid) + 1
 
+    def lose_due_times(self) -> None:
+        self.away.clear()  # a place with no due time counts as due until its waiter is back
+
     def release(self, pid: str) -> bool:
         if self.holders.pop(pid, None) is not None:
             return True
@@ -68,6 +73,10 @@ def test_scripts_match_the_model(redis_client, prefix, limit, ops):
     tokens: dict[str, int] = {}
     last_token = 0
     for kind, pid, mode in ops:
+        if kind == "lose_due_times":
+            redis_client.delete(sem.keys.waiter_due)
+            model.lose_due_times()
+            continue
         if kind == "release":
             assert sem.release(pid) == model.release(pid)
             tokens.pop(pid, None)

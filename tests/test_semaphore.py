@@ -773,6 +773,8 @@ def test_a_waiter_whose_due_time_was_lost_is_not_jumped(redis_client, prefix):
     assert isinstance(sem.attempt("second", join_line=True, back_in=50), Waiting)  # re-dated
     assert sem.release(holder)
     assert sem.attempt("newcomer") == Waiting("newcomer", sem.name, 0, 0)
+    for _ in range(2):  # joins, then asks again: due itself, but behind "first"
+        assert isinstance(sem.attempt("third", join_line=True), Waiting)
     assert isinstance(sem.attempt("first", join_line=True), Permit)
 
 

@@ -75,7 +75,7 @@ local function helpers()
       return 0
     end
     local due = redis.call('ZCOUNT', wdue, '-inf', now)
-    local undated = due < cap and redis.call('ZCARD', wdue) < queued
+    local undated = redis.call('ZCARD', wdue) < queued
     if not undated and (due == 0 or n >= queued) then
       return math.min(due, cap)
     end
