@@ -1,6 +1,6 @@
 """The Lua scripts checked against a tiny pure-Python model of a fair semaphore (leases long enough
 never to expire), for random sequences of tries, queued tries (present, or away on a long
-countdown), releases, and the loss of the line's due times."""
+countdown), releases, and lost keys."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from celery_redsem import FairSemaphore, Permit, Waiting
 
 IDS = [f"t{i}" for i in range(6)]
 # An attempt to try once, to wait in line, or to wait away on a countdown; or a release; or
-# the loss of the line's due times (an eviction, a DEL): every place counts as due then.
+# the loss of a key (an eviction, a DEL): of the line's due times (every place counts as due
+# then), or of the holders hash (its permits are gone; the line carries on).
 op = st.one_of(
     st.tuples(st.just("attempt"), st.sampled_from(IDS), st.sampled_from(["try", "wait", "away"])),
     st.tuples(st.just("release"), st.sampled_from(IDS), st.just("")),
     st.tuples(st.just("lose_due_times"), st.just(""), st.just("")),
+    st.tuples(st.just("lose_holders"), st.just(""), st.just("")),
 )
 
 
@@ -64,7 +66,7 @@ class Model:
 
 
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(limit=st.integers(1, 3), ops=st.lists(op, max_size=30))
 def test_scripts_match_the_model(redis_client, prefix, limit, ops):
@@ -73,6 +75,11 @@ def test_scripts_match_the_model(redis_client, prefix, limit, ops):
     tokens: dict[str, int] = {}
     last_token = 0
     for kind, pid, mode in ops:
+        if kind == "lose_holders":
+            redis_client.delete(sem.keys.holders)
+            model.holders.clear()
+            tokens.clear()
+            continue
         if kind == "lose_due_times":
             redis_client.delete(sem.keys.waiter_due)
             model.lose_due_times()
@@ -99,6 +106,8 @@ def test_scripts_match_the_model(redis_client, prefix, limit, ops):
         assert [w.permit_id for w in state.waiters] == model.line
         assert len(state.holders) <= limit
         counters = redis_client.hgetall(sem.keys.holders)
+        if not counters:  # lost, and no attempt since made it again
+            continue
         assert int(counters[b":queued"]) == len(model.line)
         assert len(counters) == 7 + len(model.holders)
         gate = int(counters[b":gate"])  # the fast path is open only with nobody in line
