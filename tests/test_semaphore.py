@@ -775,6 +775,10 @@ def test_a_waiter_whose_due_time_was_lost_is_not_jumped(redis_client, prefix):
     assert sem.attempt("newcomer") == Waiting("newcomer", sem.name, 0, 0)
     for _ in range(2):  # joins, then asks again: due itself, but behind "first"
         assert isinstance(sem.attempt("third", join_line=True), Waiting)
+    # Dated once, for good: no later call walks the line to find undated places.
+    due = redis_client.zrange(sem.keys.waiter_due, 0, -1)
+    assert sorted(due) == sorted(redis_client.zrange(sem.keys.waiters, 0, -1))
+    assert redis_client.pttl(sem.keys.waiter_due) > 0
     assert isinstance(sem.attempt("first", join_line=True), Permit)
 
 

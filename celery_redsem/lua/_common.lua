@@ -68,21 +68,22 @@ local function helpers()
   -- How many of the first `n` waiters (ranks 0..n-1; `mine` is the ticket at rank n, if any)
   -- are due (back, or late) at `now`; counting stops at `cap`. It walks whichever is shorter:
   -- the waiters ahead, or the due waiters. In Celery most waiters are away on a countdown.
-  -- A place with no due time (lost with the key: evicted, deleted; its waiter writes it
-  -- again when it comes back) counts as due: its waiter may be blocked on a wake-up now.
   function h.due_ahead(waiters, wdue, n, queued, mine, now, cap)
     if n <= 0 or cap <= 0 then
       return 0
     end
+    local line = redis.call('ZCARD', waiters)
+    if redis.call('ZCARD', wdue) < line then -- someone in line has no due time
+      h.date_undated(waiters, wdue, line, now)
+    end
     local due = redis.call('ZCOUNT', wdue, '-inf', now)
-    local undated = redis.call('ZCARD', wdue) < queued
-    if not undated and (due == 0 or n >= queued) then
+    if due == 0 or n >= queued then
       return math.min(due, cap)
     end
     local count = 0
     local function tally(scores, ok)
       for _, score in ipairs(scores) do
-        if ok(score and tonumber(score)) then
+        if score and ok(tonumber(score)) then
           count = count + 1
           if count >= cap then
             return true
@@ -91,24 +92,53 @@ local function helpers()
       end
       return false
     end
-    if due < n and not undated then -- walk the due waiters, count those with an earlier ticket
+    if due < n then -- walk the due waiters, count those with an earlier ticket
       for start = 0, due - 1, 100 do
         local ids = redis.call('ZRANGEBYSCORE', wdue, '-inf', now, 'LIMIT', start, 100)
         if #ids == 0 or tally(redis.call('ZMSCORE', waiters, unpack(ids)),
-            function(ticket) return ticket and ticket < mine end) then
+            function(ticket) return ticket < mine end) then
           break
         end
       end
       return count
     end
-    for start = 0, n - 1, 100 do -- walk the waiters ahead, count the due (or undated) ones
+    for start = 0, n - 1, 100 do -- walk the waiters ahead, count the due ones
       local ids = redis.call('ZRANGE', waiters, start, math.min(start + 99, n - 1))
       if #ids == 0 or tally(redis.call('ZMSCORE', wdue, unpack(ids)),
-          function(at) return not at or at <= now end) then
+          function(at) return at <= now end) then
         break
       end
     end
     return count
+  end
+
+  -- Places in line with no due time lost it with the key (evicted, deleted): date them `now`,
+  -- so that they count as due (their waiters may be blocked on a wake-up now) until their
+  -- waiters come back, and give the key the line's TTL. Walks the whole line of `line`
+  -- places, once: after it every place has a due time again.
+  function h.date_undated(waiters, wdue, line, now)
+    local dated = false
+    for start = 0, line - 1, 100 do
+      local ids = redis.call('ZRANGE', waiters, start, start + 99)
+      if #ids == 0 then
+        break
+      end
+      local due, scored = redis.call('ZMSCORE', wdue, unpack(ids)), {}
+      for i, id in ipairs(ids) do
+        if not due[i] then
+          scored[#scored + 1] = now
+          scored[#scored + 1] = id
+        end
+      end
+      if #scored > 0 then
+        redis.call('ZADD', wdue, unpack(scored))
+        dated = true
+      end
+    end
+    local ttl = redis.call('PTTL', waiters)
+    if dated and ttl > 0 then
+      h.extend(wdue, now + ttl, false)
+    end
   end
 
   -- The wake-up list of a waiter.
@@ -145,6 +175,9 @@ local function helpers()
     local missing = {}
     for start = 0, math.min(count, SWEEP_ROUNDS * SWEEP_BATCH) - 1, 100 do
       local ids = redis.call('ZRANGE', from, start, start + 99)
+      if #ids == 0 then
+        break
+      end
       local scores = redis.call('ZMSCORE', other, unpack(ids))
       for i, id in ipairs(ids) do
         if not scores[i] then
