@@ -262,23 +262,24 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
             time.sleep(0.05)
         return "survived"
 
-    @app.task(shared=False, bind=True, name="t.lost_raises")
-    @with_lock(key=lambda key: f"lost:{key}", lost_lease_policy="raise")
-    def lost_raises(self: Any, key: str) -> str:
+    def work_until_interrupted(key: str) -> None:
+        """Note the process, then work in small steps for 30 s (unless interrupted)."""
         counter().set(f"{prefix}:t:pid:{key}", os.getpid())
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             time.sleep(0.02)
+
+    @app.task(shared=False, bind=True, name="t.lost_raises")
+    @with_lock(key=lambda key: f"lost:{key}", lost_lease_policy="raise")
+    def lost_raises(self: Any, key: str) -> str:
+        work_until_interrupted(key)
         return "not interrupted"
 
     @app.task(shared=False, bind=True, name="t.lost_swallowed")
     @with_lock(key=lambda key: f"lost:{key}", lost_lease_policy="raise")
     def lost_swallowed(self: Any, key: str) -> str:
-        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                time.sleep(0.02)
+            work_until_interrupted(key)
         except Exception:  # a broad handler in the body takes the interrupt too
             return "swallowed"
         return "not interrupted"
