@@ -47,6 +47,7 @@ end
 local function helpers()
   local h = {}
   local SWEEP_BATCH, SWEEP_ROUNDS = 1000, 10
+  local SWEEP_MOST = SWEEP_ROUNDS * SWEEP_BATCH -- places one sweep looks at, at most
 
   -- A holder entry '<token>:<expiry>' as two numbers.
   function h.parse(entry)
@@ -117,26 +118,17 @@ local function helpers()
   -- waiters come back, and give the key the line's TTL. Walks the whole line of `line`
   -- places, once: after it every place has a due time again.
   function h.date_undated(waiters, wdue, line, now)
-    local dated = false
-    for start = 0, line - 1, 100 do
-      local ids = redis.call('ZRANGE', waiters, start, start + 99)
-      if #ids == 0 then
-        break
+    local undated = h.missing_from(waiters, wdue, line)
+    for i = 1, #undated, SWEEP_BATCH do
+      local scored = {}
+      for j = i, math.min(i + SWEEP_BATCH - 1, #undated) do
+        scored[#scored + 1] = now
+        scored[#scored + 1] = undated[j]
       end
-      local due, scored = redis.call('ZMSCORE', wdue, unpack(ids)), {}
-      for i, id in ipairs(ids) do
-        if not due[i] then
-          scored[#scored + 1] = now
-          scored[#scored + 1] = id
-        end
-      end
-      if #scored > 0 then
-        redis.call('ZADD', wdue, unpack(scored))
-        dated = true
-      end
+      redis.call('ZADD', wdue, unpack(scored))
     end
     local ttl = redis.call('PTTL', waiters)
-    if dated and ttl > 0 then
+    if #undated > 0 and ttl > 0 then
       h.extend(wdue, now + ttl, false)
     end
   end
@@ -169,11 +161,10 @@ local function helpers()
     return held, earliest
   end
 
-  -- Members among the first `count` (>= 1, at most SWEEP_ROUNDS batches) of the zset
-  -- `from` that have no score in the zset `other`.
+  -- Members among the first `count` of the zset `from` that have no score in the zset `other`.
   function h.missing_from(from, other, count)
     local missing = {}
-    for start = 0, math.min(count, SWEEP_ROUNDS * SWEEP_BATCH) - 1, 100 do
+    for start = 0, count - 1, 100 do
       local ids = redis.call('ZRANGE', from, start, start + 99)
       if #ids == 0 then
         break
@@ -217,13 +208,13 @@ local function helpers()
     end
     local queued = redis.call('ZCARD', waiters)
     if queued > redis.call('ZCARD', wexp) then -- places with no waiter lease
-      local orphans = h.missing_from(waiters, wexp, queued)
+      local orphans = h.missing_from(waiters, wexp, math.min(queued, SWEEP_MOST))
       h.remove_from(waiters, wdue, orphans)
       queued = queued - #orphans
     end
     local dues = redis.call('ZCARD', wdue)
     if dues > queued then -- due times of places that are gone (lost with the waiters key)
-      h.remove_from(wdue, wexp, h.missing_from(wdue, waiters, dues))
+      h.remove_from(wdue, wexp, h.missing_from(wdue, waiters, math.min(dues, SWEEP_MOST)))
     end
     return queued
   end
