@@ -210,18 +210,28 @@ class RedsemConfig:
         )
 
 
-def _seconds_or_none(value: Any) -> bool:
-    return value is None or (isinstance(value, int | float) and 0 < value < math.inf)
+def _seconds_rule(
+    *, zero_ok: bool = False, none_ok: bool = False
+) -> tuple[str, Callable[[Any], bool]]:
+    """What a number of seconds must be, for messages, and the check of a value (a bool is
+    not a number)."""
+    expected = f"a number of seconds {'>= 0' if zero_ok else '> 0'}{' or None' if none_ok else ''}"
+
+    def ok(value: Any) -> bool:
+        if value is None:
+            return none_ok
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        return math.isfinite(value) and (value > 0 or (zero_ok and value == 0))
+
+    return expected, ok
 
 
 #: redis-py options that redis-py does not check until it connects: what each must be.
 _TIMING_OPTIONS: Mapping[str, tuple[str, Callable[[Any], bool]]] = {
-    "socket_timeout": ("a number of seconds > 0 or None", _seconds_or_none),
-    "socket_connect_timeout": ("a number of seconds > 0 or None", _seconds_or_none),
-    "health_check_interval": (
-        "a number of seconds >= 0",
-        lambda value: isinstance(value, int | float) and 0 <= value < math.inf,
-    ),
+    "socket_timeout": _seconds_rule(none_ok=True),
+    "socket_connect_timeout": _seconds_rule(none_ok=True),
+    "health_check_interval": _seconds_rule(zero_ok=True),
     "max_connections": (
         "an int >= 1 or None",
         lambda value: value is None or (isinstance(value, int) and value >= 1),
@@ -249,18 +259,10 @@ class _Reader:
 
     def seconds(self, name: str, *, zero_ok: bool = False, none_ok: bool = False) -> Any:
         value = self.get(name)
-        if value is None and none_ok:
-            return None
-        expected = (
-            f"a number of seconds {'>= 0' if zero_ok else '> 0'}{' or None' if none_ok else ''}"
-        )
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        expected, ok = _seconds_rule(zero_ok=zero_ok, none_ok=none_ok)
+        if not ok(value):
             raise self._fail(name, expected, value)
-        if not math.isfinite(value):
-            raise self._fail(name, expected, value)
-        if value < 0 or (value == 0 and not zero_ok):
-            raise self._fail(name, expected, value)
-        return float(value)
+        return None if value is None else float(value)
 
     def count(self, name: str) -> int:
         value = self.get(name)
