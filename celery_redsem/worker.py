@@ -48,7 +48,7 @@ from .config import RedsemConfig, get_client, get_config, refresh_stall_warning
 from .errors import REDIS_ERRORS, RedsemError, is_transient
 from .permit_ids import permit_id_of
 from .semaphore import RedisClient
-from .task_guard import call_arguments, guards_of, iter_guarded_tasks
+from .task_guard import TaskGuard, call_arguments, guards_of, iter_guarded_tasks
 
 __all__ = [
     "ReleasingRequest",
@@ -227,12 +227,15 @@ def check_late_acks(app: Celery, tasks: list[Task[Any, Any]]) -> str | None:
     )
 
 
-def check_task_leases(config: RedsemConfig, tasks: list[Task[Any, Any]]) -> list[str]:
-    """A warning for each task whose own ``lease=`` is so short that one hung Redis call can
-    outlast a heartbeat interval (``redsem_lease`` is checked when the settings are read)."""
+def check_task_leases(
+    config: RedsemConfig, guarded: list[tuple[Task[Any, Any], list[TaskGuard]]]
+) -> list[str]:
+    """A warning for each task (of ``guarded``: tasks with their guards) whose own ``lease=``
+    is so short that one hung Redis call can outlast a heartbeat interval (``redsem_lease``
+    is checked when the settings are read)."""
     warnings = []
-    for task in tasks:
-        for guard in guards_of(task):
+    for task, guards in guarded:
+        for guard in guards:
             if guard.lease is not None:
                 warning = refresh_stall_warning(config, guard.lease, f"{task.name}'s lease")
                 if warning:
@@ -245,7 +248,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app: Celery | None = getattr(sender, "app", None)
     if app is None:
         return
-    guarded = [task for task, _guards in iter_guarded_tasks(app)]
+    with_guards = list(iter_guarded_tasks(app))
+    guarded = [task for task, _guards in with_guards]
     if not guarded:
         return
     global _pool_has_child_processes  # noqa: PLW0603
@@ -257,7 +261,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         logger.warning(warning)
     try:
         config = get_config(app)
-        for warning in check_task_leases(config, guarded):
+        for warning in check_task_leases(config, with_guards):
             logger.warning(warning)
         if config.worker_admission:
             install_admission(sender, app)

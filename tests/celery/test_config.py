@@ -181,12 +181,12 @@ def test_a_task_lease_shorter_than_three_socket_timeouts_is_warned_about() -> No
     def long() -> None: ...
 
     app.finalize()
-    tasks = [task for task, _ in iter_guarded_tasks(app)]
-    (warning,) = check_task_leases(get_config(app), tasks)
+    guarded = list(iter_guarded_tasks(app))
+    (warning,) = check_task_leases(get_config(app), guarded)
     assert "t.short's lease=0.3s / 3" in warning
     app.conf.redsem_redis_options = {"socket_timeout": 0.05}
     reset(app)
-    assert check_task_leases(get_config(app), tasks) == []
+    assert check_task_leases(get_config(app), guarded) == []
 
 
 def test_a_misspelled_setting_is_warned_about_with_the_likely_name(
