@@ -28,6 +28,7 @@ from .errors import (
     PermitLost,
 )
 from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from .lane import executor_for
 from .node_batch import run_on_nodes
 from .permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
 from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
@@ -162,6 +163,8 @@ class FairSemaphore:
         self.keys = SemaphoreKeys(validate_prefix(prefix), self.name)
         self._clock = clock
         self._keys = script_keys(self.client, self.keys)
+        # acquire and release go over the client's lane (lane.py), sparing a pool checkout.
+        self._execute = executor_for(self.client)
         # EVALSHA's numkeys and keys, encoded once, not on every call.
         self._key_args = (str(len(self._keys)).encode(), *(k.encode() for k in self._keys))
         self._prefix = self.keys.prefix
@@ -220,12 +223,10 @@ class FairSemaphore:
             settings = self._settings_join if join_line else self._settings_try
         if self.min_replicas:
             return self._attempt_acknowledged(pid, [settings + pid])
-        # Runs on every task start, so it calls redis-py directly (evalsha() adds two calls);
+        # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two calls);
         # _retry handles NOSCRIPT and errors.
         try:
-            reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", ACQUIRE.sha_bytes, *self._key_args, settings + pid
-            )
+            reply = self._execute("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, settings + pid)
         except REDIS_ERRORS as exc:
             reply = self._retry(ACQUIRE, exc, settings + pid)
         return self._result(pid, reply)
@@ -417,10 +418,8 @@ class FairSemaphore:
             arg = f"{permit.token}:{permit.id}"
         else:
             arg = ":" + _validate_permit_id(permit)
-        try:  # as in attempt(): redis-py called directly, on every task end
-            reply = self.client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", RELEASE.sha_bytes, *self._key_args, arg
-            )
+        try:  # as in attempt(): EVALSHA sent over the lane, on every task end
+            reply = self._execute("EVALSHA", RELEASE.sha_bytes, *self._key_args, arg)
         except REDIS_ERRORS as exc:
             reply = self._retry(RELEASE, exc, arg)
         return int(reply) > 0
