@@ -234,7 +234,9 @@ _TIMING_OPTIONS: Mapping[str, tuple[str, Callable[[Any], bool]]] = {
     "health_check_interval": _seconds_rule(zero_ok=True),
     "max_connections": (
         "an int >= 1 or None",
-        lambda value: value is None or (isinstance(value, int) and value >= 1),
+        lambda value: (
+            value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+        ),
     ),
 }
 
@@ -293,8 +295,7 @@ class _Reader:
         takes any value and fails only when it connects (a str read from the environment)."""
         options = self.mapping(name)
         for option, (expected, ok) in _TIMING_OPTIONS.items():
-            value = options.get(option)
-            if option in options and (isinstance(value, bool) or not ok(value)):
+            if option in options and not ok(options[option]):
                 raise self._fail(name, f"a dict whose {option!r} is {expected}", options)
         return options
 

@@ -103,6 +103,7 @@ def test_a_client_option_or_url_redis_py_rejects_fails_before_any_task(
         ("redsem_redis_options", {"socket_connect_timeout": 0}, "'socket_connect_timeout'"),
         ("redsem_redis_options", {"health_check_interval": True}, "'health_check_interval'"),
         ("redsem_redis_options", {"max_connections": 0.5}, "'max_connections' is an int"),
+        ("redsem_redis_options", {"max_connections": True}, "'max_connections' is an int"),
         ("redsem_key_prefix", "a{b}", "non-empty str"),
         ("redsem_min_replicas", -1, "an int >= 0"),
         ("redsem_min_replicas", True, "an int >= 0"),
