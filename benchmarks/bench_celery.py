@@ -47,7 +47,7 @@ import redis
 from celery import Celery
 
 from celery_redsem import FairSemaphore, Permit, get_client, with_semaphore
-from celery_redsem.task_guard import WAIT_HEADER
+from celery_redsem.integration.task_guard import WAIT_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_URL, ENV_PREFIX, ENV_LIMIT = (

@@ -6,9 +6,7 @@ without Celery.
 
 from __future__ import annotations
 
-from .config import RedsemConfig, get_client, get_config
-from .decorators import current_permit, with_lock, with_semaphore
-from .errors import (
+from .core.errors import (
     AcquireTimeout,
     BackendError,
     ConfigurationError,
@@ -17,9 +15,11 @@ from .errors import (
     PermitLost,
     RedsemError,
 )
-from .heartbeat import HeldPermit
-from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
-from .semaphore import FairSemaphore, Lock, read_state, refresh_permits
+from .core.heartbeat import HeldPermit
+from .core.permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
+from .core.semaphore import FairSemaphore, Lock, read_state, refresh_permits
+from .integration.config import RedsemConfig, get_client, get_config
+from .integration.decorators import current_permit, with_lock, with_semaphore
 
 __version__ = "0.1.0"
 

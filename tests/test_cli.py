@@ -14,8 +14,8 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_redsem import FairSemaphore, Lock, Permit
-from celery_redsem.cli import redsem
-from celery_redsem.config import reset
+from celery_redsem.integration.config import reset
+from celery_redsem.ops.cli import redsem
 
 #: Set by the ``app`` fixture so that ``celery -A tests.test_cli:cli_app`` finds it.
 cli_app: Celery | None = None
@@ -120,7 +120,7 @@ def test_a_bad_name_is_a_one_line_error(app):
 
 
 def test_release_frees_a_holder_logs_it_and_wakes_the_line(app, busy, redis_client, prefix, caplog):
-    caplog.set_level(logging.INFO, logger="celery_redsem.admin")
+    caplog.set_level(logging.INFO, logger="celery_redsem.ops.admin")
     result = run(app, "release", "market:alice", "task-a")
     assert result.exit_code == 0, result.output
     assert f"Released the permit of task-a in market:alice (token {busy['task-a'].token})" in (

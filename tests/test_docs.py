@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import celery_redsem
-from celery_redsem.config import SETTINGS
+from celery_redsem.integration.config import SETTINGS
 
 PACKAGE = Path(celery_redsem.__file__).parent
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -17,7 +17,7 @@ CONFVAL = re.compile(r"^\.\. confval:: (\S+)\s*$", re.MULTILINE)
 
 def not_settings() -> set[str]:
     """``redsem_*`` strings of the package that are not settings (a message header, ...)."""
-    from celery_redsem import handoff, task_guard
+    from celery_redsem.integration import handoff, task_guard
 
     return {task_guard.WAIT_HEADER, handoff.GRANT_FIELD}
 

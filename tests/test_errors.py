@@ -10,7 +10,7 @@ import redis.exceptions as e
 from redis._parsers.base import BaseParser
 
 from celery_redsem import BackendError
-from celery_redsem.errors import is_transient
+from celery_redsem.core.errors import is_transient
 
 
 def reply(text: str) -> Exception:

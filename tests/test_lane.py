@@ -15,8 +15,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_redsem import BackendError, FairSemaphore, lane
-from celery_redsem.lane import Lane, executor_for, lane_of
+from celery_redsem import BackendError, FairSemaphore
+from celery_redsem.core import lane
+from celery_redsem.core.lane import Lane, executor_for, lane_of
 from tests.servers import ServerProcess, server_process
 
 

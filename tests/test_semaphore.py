@@ -23,8 +23,8 @@ from celery_redsem import (
     Waiting,
     refresh_permits,
 )
-from celery_redsem.heartbeat import get_heartbeat
-from celery_redsem.keys import SemaphoreKeys
+from celery_redsem.core.heartbeat import get_heartbeat
+from celery_redsem.core.keys import SemaphoreKeys
 from tests.servers import ENV_URL, ServerProcess, wait_until
 
 

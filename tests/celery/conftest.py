@@ -19,8 +19,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import FairSemaphore, Permit, get_client
-from celery_redsem.config import reset
-from celery_redsem.handoff import GRANT_FIELD
+from celery_redsem.integration.config import reset
+from celery_redsem.integration.handoff import GRANT_FIELD
 from tests.celery.tasks import make_app
 from tests.servers import wait_until
 

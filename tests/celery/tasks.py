@@ -25,7 +25,7 @@ from celery_redsem import (
     with_lock,
     with_semaphore,
 )
-from celery_redsem.task_guard import WAIT_HEADER
+from celery_redsem.integration.task_guard import WAIT_HEADER
 
 _ENTER = """
 local c = redis.call('INCR', KEYS[1])

@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 
 from celery_redsem import AcquireTimeout
-from celery_redsem.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
+from celery_redsem.integration.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
 from tests.celery.conftest import (
     WorkerProcess,
     blocked,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from celery_redsem.backoff import (
+from celery_redsem.integration.backoff import (
     DEFAULT_RETURN_DELAY,
     HoldTimes,
     ReturnDelays,

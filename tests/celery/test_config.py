@@ -7,9 +7,9 @@ from celery import Celery, _state, current_app
 from celery.local import Proxy
 
 from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config, with_lock
-from celery_redsem.config import SETTINGS, reset
-from celery_redsem.task_guard import iter_guarded_tasks
-from celery_redsem.worker import check_task_leases
+from celery_redsem.integration.config import SETTINGS, reset
+from celery_redsem.integration.task_guard import iter_guarded_tasks
+from celery_redsem.integration.worker import check_task_leases
 from tests.celery.conftest import true_in_forked_child
 
 
@@ -165,7 +165,7 @@ def test_a_socket_timeout_longer_than_a_heartbeat_interval_is_warned_about(
 ) -> None:
     app = Celery("redsem-stall", broker="memory://", set_as_current=False)
     app.conf.redsem_lease = lease  # the default socket_timeout is 2 s
-    caplog.set_level("WARNING", logger="celery_redsem.config")
+    caplog.set_level("WARNING", logger="celery_redsem.integration.config")
     get_config(app)
     assert any("heartbeat interval" in r.getMessage() for r in caplog.records) == warns
 
@@ -201,7 +201,7 @@ def test_a_misspelled_setting_is_warned_about_with_the_likely_name(
     app.config_from_object(DjangoSettings, namespace="CELERY")
     app.conf.redsem_idle_tt = 3
     app.conf.redsem_lease = 30.0  # a real one: no warning
-    caplog.set_level("WARNING", logger="celery_redsem.config")
+    caplog.set_level("WARNING", logger="celery_redsem.integration.config")
     get_config(app)
     warnings = sorted(r.getMessage() for r in caplog.records if "is not a" in r.getMessage())
     assert warnings == [
@@ -221,7 +221,7 @@ def test_a_setting_spelled_so_that_celery_does_not_map_it_is_warned_about(
 
     app = Celery("redsem-unread", set_as_current=False)
     app.config_from_object(Settings)
-    caplog.set_level("WARNING", logger="celery_redsem.config")
+    caplog.set_level("WARNING", logger="celery_redsem.integration.config")
     config = get_config(app)
     assert (config.lease, config.max_wait) == (10.0, 3600.0)  # neither was read ...
     warnings = sorted(r.getMessage() for r in caplog.records if "is not read" in r.getMessage())

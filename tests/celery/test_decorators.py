@@ -12,7 +12,7 @@ import pytest
 from celery import Celery, Task
 
 from celery_redsem import ConfigurationError, KeyFunctionError, with_lock, with_semaphore
-from celery_redsem.task_guard import guards_of
+from celery_redsem.integration.task_guard import guards_of
 
 
 def buy_item(self: Any, account_id: int, item_id: int, qty: int = 1) -> None:

@@ -8,8 +8,8 @@ from celery.contrib.testing.mocks import TaskMessage
 from celery.worker.request import Request
 
 from celery_redsem import Permit
-from celery_redsem.handoff import GRANT_FIELD, clear_grant, hand_over, take_over
-from celery_redsem.permit_ids import permit_id_of, run_permit_id
+from celery_redsem.core.permit_ids import permit_id_of, run_permit_id
+from celery_redsem.integration.handoff import GRANT_FIELD, clear_grant, hand_over, take_over
 from tests.celery.conftest import close_app
 
 PERMIT = Permit("task-1", "report:7", 42, 1_800_000_000_000, 5.0, "redsem")

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from celery_redsem import FairSemaphore, PermitLost
-from celery_redsem.heartbeat import Heartbeat, HeldPermit, LeaseInterrupt, get_heartbeat
+from celery_redsem.core.heartbeat import Heartbeat, HeldPermit, LeaseInterrupt, get_heartbeat
 from tests.celery.conftest import true_in_forked_child
 from tests.servers import embedded_valkey, wait_until
 

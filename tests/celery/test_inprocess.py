@@ -14,7 +14,7 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError, read_state
-from celery_redsem.task_guard import WAIT_HEADER, guards_of
+from celery_redsem.integration.task_guard import WAIT_HEADER, guards_of
 from tests.celery.conftest import blocked, close_app, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
@@ -308,7 +308,7 @@ def test_a_task_with_two_guards_holds_both_and_waits_for_the_busy_one(
 def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worker: object) -> None:
     from celery.utils.imports import symbol_by_name
 
-    from celery_redsem.worker import ReleasingRequest
+    from celery_redsem.integration.worker import ReleasingRequest
 
     assert issubclass(symbol_by_name(app.tasks["t.locked"].Request), ReleasingRequest)
 

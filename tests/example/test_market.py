@@ -13,8 +13,8 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import FairSemaphore, Permit, get_client, get_config
-from celery_redsem.config import SETTINGS
-from celery_redsem.task_guard import guards_of
+from celery_redsem.integration.config import SETTINGS
+from celery_redsem.integration.task_guard import guards_of
 from tests.example.conftest import EXAMPLE_DIR
 from tests.servers import wait_until
 

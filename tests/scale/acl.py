@@ -9,7 +9,7 @@ import redis
 import celery_redsem
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "scaling.rst"
-LUA = Path(celery_redsem.__file__).parent / "lua"
+LUA = Path(celery_redsem.__file__).parent / "core" / "lua"
 PASSWORD = "pw-Zq7!never-shown"
 
 

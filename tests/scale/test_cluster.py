@@ -15,14 +15,14 @@ from click.testing import CliRunner
 from redis.cluster import RedisCluster
 
 from celery_redsem import FairSemaphore, Lock, Permit, read_state, refresh_permits
-from celery_redsem.admin import states
-from celery_redsem.cli import redsem
-from celery_redsem.clients import client_from_url
-from celery_redsem.config import reset
-from celery_redsem.errors import BackendError, ConfigurationError, NotEnoughReplicas
-from celery_redsem.heartbeat import Heartbeat, HeldPermit
-from celery_redsem.keys import SemaphoreKeys
-from celery_redsem.scripts import REFRESH
+from celery_redsem.core.clients import client_from_url
+from celery_redsem.core.errors import BackendError, ConfigurationError, NotEnoughReplicas
+from celery_redsem.core.heartbeat import Heartbeat, HeldPermit
+from celery_redsem.core.keys import SemaphoreKeys
+from celery_redsem.core.scripts import REFRESH
+from celery_redsem.integration.config import reset
+from celery_redsem.ops.admin import states
+from celery_redsem.ops.cli import redsem
 from tests.scale.acl import PASSWORD, create_user
 from tests.servers import Cluster, valkey_cluster, wait_until
 

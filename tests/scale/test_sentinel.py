@@ -12,8 +12,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_redsem import FairSemaphore, Permit, read_state
-from celery_redsem.clients import client_from_url
-from celery_redsem.errors import BackendError, ConfigurationError, NotEnoughReplicas
+from celery_redsem.core.clients import client_from_url
+from celery_redsem.core.errors import BackendError, ConfigurationError, NotEnoughReplicas
 from tests.servers import SentinelSetup, ServerProcess, wait_until
 
 pytestmark = pytest.mark.slow

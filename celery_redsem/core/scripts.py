@@ -1,6 +1,6 @@
 """The Lua scripts: loading them from package data and running them with EVALSHA.
 
-Each script is one ``.lua`` file in ``celery_redsem/lua`` with a contract header; the shared
+Each script is one ``.lua`` file in ``celery_redsem/core/lua`` with a contract header; the shared
 helpers in ``_common.lua`` are inserted at load time where the script has the line
 ``-- @common``, else at its top. (acquire and release put the line after their fast path,
 which runs on every task start and end: creating the helpers is a measurable part of its
@@ -25,7 +25,10 @@ __all__ = ["ACQUIRE", "REFRESH", "RELEASE", "STATE", "LuaScript"]
 
 def _read(name: str) -> str:
     return (
-        resources.files("celery_redsem").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
+        resources.files("celery_redsem.core")
+        .joinpath("lua")
+        .joinpath(name)
+        .read_text(encoding="utf-8")
     )
 
 

@@ -3,9 +3,11 @@
 The prefork pool's main process hands a task to a child only when one of its slots is free
 (Celery's slot semaphore). Just then, for a task with one guard, :class:`Admission` asks for
 the permit (one round trip, joining the FIFO line under the task run's permit id: its task
-id, marked for a run its own retry queued; see :func:`~celery_redsem.permit_ids.run_permit_id`):
+id, marked for a run its own retry queued; see
+:func:`~celery_redsem.core.permit_ids.run_permit_id`):
 
-* **Granted**: the task goes to the child with the permit (:mod:`~celery_redsem.handoff`), so
+* **Granted**: the task goes to the child with the permit
+(:mod:`~celery_redsem.integration.handoff`), so
   the child does not ask again.
 * **Not granted**: the task is *parked* in the main process and its slot goes to the next task,
   so a contended task costs no slot time and no trip through the broker. Its place in line does
@@ -34,7 +36,8 @@ task whose key function once takes longer than :data:`SLOW_KEY_FUNCTION` is left
 children from then on, with a warning.
 
 Anything unusual hands the task to the child unchanged, which then waits or retries as
-:mod:`celery_redsem.task_guard` describes: pools without a slot semaphore (solo, threads,
+:mod:`celery_redsem.integration.task_guard` describes: pools without a slot semaphore (solo,
+threads,
 gevent, eventlet), tasks with several guards, a key function that fails (the child reports it),
 ``min_replicas`` (its ``WAIT`` would stall the event loop), a worker that is shutting down
 (its parked tasks are left to be delivered again), and Redis errors (admission pauses
@@ -55,12 +58,13 @@ from celery import Celery, bootsteps
 from celery.app.task import Context
 from celery.worker import state as worker_state
 
+from celery_redsem.core.errors import BackendError
+from celery_redsem.core.permit_ids import permit_id_of
+from celery_redsem.core.permits import Permit
+
 from .backoff import hold_times
 from .config import get_config
-from .errors import BackendError
 from .handoff import clear_grant, hand_over
-from .permit_ids import permit_id_of
-from .permits import Permit
 from .task_guard import (
     WAIT_HEADER,
     TaskGuard,
@@ -460,7 +464,7 @@ def _slot_semaphore(controller: Any) -> Any:
 
 def _received_at(req: Any, earlier: _Parked | None, now: float) -> float:
     """When ``req``'s delivery reached the worker (monotonic): as parked before, else as its
-    :class:`~celery_redsem.worker.ReleasingRequest` noted, else ``now``."""
+    :class:`~celery_redsem.integration.worker.ReleasingRequest` noted, else ``now``."""
     if earlier is not None:
         return earlier.received_at
     received = getattr(req, "redsem_received_at", None)

@@ -548,7 +548,7 @@ def refresh_permits(
     On a single server this is one script call for all permits. On Redis Cluster the permits are
     grouped by hash slot (a script may only touch one slot) and the per-slot calls go out in one
     pipeline per node, all written before any reply is read: one round trip for all nodes
-    (:mod:`~celery_redsem.node_batch`).
+    (:mod:`~celery_redsem.core.node_batch`).
     A permit is never resurrected: one that expired or was released is reported lost.
 
     Raises :class:`BackendError` if no permit could be refreshed. On a cluster where only some

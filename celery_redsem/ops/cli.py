@@ -21,12 +21,13 @@ from typing import Any, NoReturn
 
 import click
 
+from celery_redsem.core.clients import client_from_url, redact_url
+from celery_redsem.core.errors import REDIS_ERRORS, BackendError, RedsemError
+from celery_redsem.core.keys import SemaphoreKeys, validate_prefix
+from celery_redsem.core.permits import SemaphoreState
+from celery_redsem.core.semaphore import RedisClient, read_state
+
 from .admin import force_release, purge, state_to_dict, states
-from .clients import client_from_url, redact_url
-from .errors import REDIS_ERRORS, BackendError, RedsemError
-from .keys import SemaphoreKeys, validate_prefix
-from .permits import SemaphoreState
-from .semaphore import RedisClient, read_state
 
 __all__ = ["redsem"]
 
@@ -57,7 +58,7 @@ def _target(ctx: click.Context) -> _Target:
     app = getattr(ctx.obj, "app", None)
     if app is None:
         _fail("no Celery app: run this as `celery -A proj redsem ...`")
-    from .config import get_client, get_config
+    from celery_redsem.integration.config import get_client, get_config
 
     try:
         config = get_config(app)

@@ -25,10 +25,15 @@ from typing import Any, NamedTuple
 from celery import Celery
 from celery.local import Proxy
 
-from .clients import client_from_url, redact_url
-from .errors import ConfigurationError
-from .keys import DEFAULT_PREFIX, validate_prefix
-from .semaphore import DEFAULT_IDLE_TTL, DEFAULT_LEASE, DEFAULT_REPLICA_TIMEOUT, RedisClient
+from celery_redsem.core.clients import client_from_url, redact_url
+from celery_redsem.core.errors import ConfigurationError
+from celery_redsem.core.keys import DEFAULT_PREFIX, validate_prefix
+from celery_redsem.core.semaphore import (
+    DEFAULT_IDLE_TTL,
+    DEFAULT_LEASE,
+    DEFAULT_REPLICA_TIMEOUT,
+    RedisClient,
+)
 
 __all__ = [
     "DEFAULT_REDIS_OPTIONS",

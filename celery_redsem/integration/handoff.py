@@ -1,6 +1,7 @@
 """A permit granted in a prefork worker's main process, handed to the pool child that runs the task.
 
-:mod:`~celery_redsem.admission` asks for a task's permit before the task takes a pool slot;
+:mod:`~celery_redsem.integration.admission` asks for a task's permit before the task takes a pool
+slot;
 the child then need not ask again. The grant travels in the request the child receives, under
 :data:`GRANT_FIELD`, with a secret drawn in the main process before the pool forks: children
 inherit it, nobody else knows it, so a message header cannot forge a grant. The main process
@@ -14,8 +15,8 @@ import os
 from contextlib import suppress
 from typing import Any
 
-from .permit_ids import permit_id_of
-from .permits import Permit
+from celery_redsem.core.permit_ids import permit_id_of
+from celery_redsem.core.permits import Permit
 
 __all__ = ["GRANT_FIELD", "clear_grant", "hand_over", "take_over"]
 

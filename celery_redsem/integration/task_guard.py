@@ -2,12 +2,13 @@
 
 In a worker the permit id is the task id, stable across contention retries and redelivery (a
 run that the task's own ``self.retry()`` or ``replace()`` queued gets one of its own:
-:func:`~celery_redsem.permit_ids.run_permit_id`). The task asks
+:func:`~celery_redsem.core.permit_ids.run_permit_id`). The task asks
 once (:meth:`~celery_redsem.FairSemaphore.attempt`, joining the FIFO line); without a permit it
-waits for it in its worker slot if it is near (:func:`~celery_redsem.backoff.head_wait_budget`),
+waits for it in its worker slot if it is near
+(:func:`~celery_redsem.integration.backoff.head_wait_budget`),
 else it re-publishes itself with a countdown and raises Celery's ``Retry``, its place in line
 holding a free permit for it only from about when it is expected back (the countdown plus the
-delivery delay learnt for its queue, :class:`~celery_redsem.backoff.ReturnDelays`). That
+delivery delay learnt for its queue, :class:`~celery_redsem.integration.backoff.ReturnDelays`). That
 contention retry keeps ``request.retries`` as it is and never touches ``max_retries``; its count
 and timing travel in the message header ``redsem_wait`` (:class:`WaitState`). A task whose wait
 exceeds ``max_wait`` leaves the line and fails with :class:`~celery_redsem.AcquireTimeout`.
@@ -46,6 +47,19 @@ from celery._state import get_current_app, get_current_task
 from celery.app.task import Context
 from celery.exceptions import Retry
 
+from celery_redsem.core.errors import (
+    REDIS_ERRORS,
+    AcquireTimeout,
+    BackendError,
+    ConfigurationError,
+    KeyFunctionError,
+)
+from celery_redsem.core.heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
+from celery_redsem.core.keys import validate_name
+from celery_redsem.core.permit_ids import permit_id_of
+from celery_redsem.core.permits import Permit, Waiting
+from celery_redsem.core.semaphore import FairSemaphore, socket_timeout
+
 from .backoff import (
     contention_countdown,
     error_countdown,
@@ -54,13 +68,7 @@ from .backoff import (
     return_delays,
 )
 from .config import LOST_LEASE_POLICIES, RedsemConfig, get_client, get_config
-from .errors import REDIS_ERRORS, AcquireTimeout, BackendError, ConfigurationError, KeyFunctionError
 from .handoff import take_over
-from .heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
-from .keys import validate_name
-from .permit_ids import permit_id_of
-from .permits import Permit, Waiting
-from .semaphore import FairSemaphore, socket_timeout
 
 __all__ = [
     "WAIT_HEADER",

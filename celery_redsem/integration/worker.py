@@ -15,10 +15,12 @@ releases by task id, which frees whatever grant or place in line the id has:
 * ``task_revoked`` for a task revoked before it ran gives up its place in the waiting line.
 
 Warm shutdown needs nothing: running tasks finish and release in the child; tasks parked by
-:mod:`~celery_redsem.admission` or waiting with a countdown keep their place and come back
+:mod:`~celery_redsem.integration.admission` or waiting with a countdown keep their place and come
+back
 after redelivery.
 
-At ``worker_init`` :func:`~celery_redsem.admission.install_admission` also hooks the worker's
+At ``worker_init`` :func:`~celery_redsem.integration.admission.install_admission` also hooks the
+worker's
 dispatch (``redsem_worker_admission``).
 
 At worker start a warning is logged when Redis' ``maxmemory-policy`` could evict semaphore keys.
@@ -43,11 +45,12 @@ from celery.signals import task_revoked, worker_init
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
+from celery_redsem.core.errors import REDIS_ERRORS, RedsemError, is_transient
+from celery_redsem.core.permit_ids import permit_id_of
+from celery_redsem.core.semaphore import RedisClient
+
 from .admission import install_admission
 from .config import RedsemConfig, get_client, get_config, refresh_stall_warning
-from .errors import REDIS_ERRORS, RedsemError, is_transient
-from .permit_ids import permit_id_of
-from .semaphore import RedisClient
 from .task_guard import TaskGuard, call_arguments, guards_of, iter_guarded_tasks
 
 __all__ = [
@@ -96,7 +99,8 @@ class ReleasingRequest(Request):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: When this delivery reached the worker (monotonic): admission parks it for at most
-        #: :data:`~celery_redsem.admission.MAX_PARKED` from then (the broker's clock runs too).
+        #: :data:`~celery_redsem.integration.admission.MAX_PARKED` from then (the broker's clock
+        #: runs too).
         self.redsem_received_at = time.monotonic()
 
     def _redsem_release(self) -> None:
@@ -243,7 +247,7 @@ def check_task_leases(
     return warnings
 
 
-@worker_init.connect(weak=False, dispatch_uid="celery_redsem.worker.on_worker_init")
+@worker_init.connect(weak=False, dispatch_uid="celery_redsem.integration.worker.on_worker_init")
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app: Celery | None = getattr(sender, "app", None)
     if app is None:
@@ -273,7 +277,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         logger.error("celery_redsem: %s", exc)
 
 
-@task_revoked.connect(weak=False, dispatch_uid="celery_redsem.worker.on_task_revoked")
+@task_revoked.connect(weak=False, dispatch_uid="celery_redsem.integration.worker.on_task_revoked")
 def _on_task_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:

@@ -1,0 +1,1 @@
+"""The semaphore core: scripts, keys, permits, heartbeat and clients; usable without Celery."""

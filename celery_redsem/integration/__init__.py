@@ -1,0 +1,1 @@
+"""The Celery integration: decorators, settings, worker hooks, admission at dispatch."""

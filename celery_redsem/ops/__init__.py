@@ -1,0 +1,1 @@
+"""Operator tools: the ``celery redsem`` command and the admin functions behind it."""
