@@ -1,12 +1,17 @@
 """celery_redsem: a Redis-backed fair semaphore and lock for Celery tasks.
 
-The core (:class:`FairSemaphore`, :class:`Lock`) works with any redis-py client, with or
-without Celery.
+The core (:class:`FairSemaphore`, :class:`Lock`, in :mod:`celery_redsem.core`) works with any
+redis-py client, with or without Celery: importing it does not import Celery. The Celery names
+(the decorators, the settings) load on first use.
 """
 
 from __future__ import annotations
 
-from .core.errors import (
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
+from celery_redsem.core.errors import (
     AcquireTimeout,
     BackendError,
     ConfigurationError,
@@ -15,13 +20,49 @@ from .core.errors import (
     PermitLost,
     RedsemError,
 )
-from .core.heartbeat import HeldPermit
-from .core.permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
-from .core.semaphore import FairSemaphore, Lock, read_state, refresh_permits
-from .integration.config import RedsemConfig, get_client, get_config
-from .integration.decorators import current_permit, with_lock, with_semaphore
+from celery_redsem.core.heartbeat import HeldPermit
+from celery_redsem.core.permits import (
+    HolderInfo,
+    Permit,
+    RefreshResult,
+    SemaphoreState,
+    WaiterInfo,
+    Waiting,
+)
+from celery_redsem.core.refresh import refresh_permits
+from celery_redsem.core.semaphore import FairSemaphore, Lock
+from celery_redsem.core.state import read_state
+
+if _TYPE_CHECKING:
+    from celery_redsem.integration.config import RedsemConfig, get_client, get_config
+    from celery_redsem.integration.decorators import current_permit, with_lock, with_semaphore
 
 __version__ = "0.1.0"
+
+#: Names that need Celery, by the module that defines them: imported on first access, so
+#: ``import celery_redsem.core`` (which runs this file first) stays free of Celery.
+_CELERY_NAMES = {
+    "RedsemConfig": "celery_redsem.integration.config",
+    "get_client": "celery_redsem.integration.config",
+    "get_config": "celery_redsem.integration.config",
+    "current_permit": "celery_redsem.integration.decorators",
+    "with_lock": "celery_redsem.integration.decorators",
+    "with_semaphore": "celery_redsem.integration.decorators",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    module = _CELERY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_redsem' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_CELERY_NAMES))
+
 
 __all__ = [
     "AcquireTimeout",

@@ -529,8 +529,8 @@ def test_blocking_acquire_rejects_a_negative_timeout(redis_client, prefix, timeo
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"limit": 0}, "limit must be >= 1"),
-        ({"limit": -3}, "limit must be >= 1"),
+        ({"limit": 0}, "limit must be an int >= 1"),
+        ({"limit": -3}, "limit must be an int >= 1"),
         ({"limit": "5"}, "limit must be an int"),
         ({"limit": 2.5}, "limit must be an int"),
         ({"limit": True}, "limit must be an int"),

@@ -39,8 +39,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url, to_bool
 from redis.exceptions import RedisClusterException
 
-from .errors import BackendError, ConfigurationError
-from .semaphore import RedisClient
+from celery_redsem.core.client import RedisClient
+from celery_redsem.core.errors import BackendError, ConfigurationError
 
 __all__ = ["CLUSTER_SCHEMES", "SENTINEL_OPTIONS", "client_from_url", "redact_url", "scrub"]
 

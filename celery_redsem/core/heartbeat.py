@@ -33,9 +33,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .errors import REDIS_ERRORS, BackendError, PermitLost
-from .permits import Permit
-from .semaphore import DEFAULT_IDLE_TTL, RedisClient, refresh_permits
+from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
+from celery_redsem.core.errors import REDIS_ERRORS, BackendError, PermitLost
+from celery_redsem.core.permits import Permit
+from celery_redsem.core.refresh import refresh_permits
 
 __all__ = ["Heartbeat", "HeldPermit", "LeaseInterrupt", "get_heartbeat"]
 

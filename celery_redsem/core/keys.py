@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigurationError
+from celery_redsem.core.errors import ConfigurationError
 
 MAX_NAME_LENGTH = 512
 DEFAULT_PREFIX = "redsem"

@@ -16,8 +16,8 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import AskError, MovedError, NoScriptError
 
-from .errors import REDIS_ERRORS
-from .scripts import LuaScript
+from celery_redsem.core.errors import REDIS_ERRORS
+from celery_redsem.core.scripts import LuaScript
 
 __all__ = ["UNREACHED", "relearn_layout", "run_on_nodes"]
 

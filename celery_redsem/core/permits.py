@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .keys import DEFAULT_PREFIX, SemaphoreKeys
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
 
 __all__ = ["HolderInfo", "Permit", "RefreshResult", "SemaphoreState", "WaiterInfo", "Waiting"]
 

@@ -17,8 +17,8 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import MovedError, NoScriptError
 
-from .node_batch import UNREACHED, relearn_layout
-from .scripts import LuaScript
+from celery_redsem.core.node_batch import UNREACHED, relearn_layout
+from celery_redsem.core.scripts import LuaScript
 
 __all__ = ["connected_replicas", "forget_primary", "run_acknowledged"]
 

@@ -18,9 +18,24 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-__all__ = ["ACQUIRE", "REFRESH", "RELEASE", "STATE", "LuaScript"]
+from celery_redsem.core.client import RedisClient
+from celery_redsem.core.errors import REDIS_ERRORS, BackendError
+from celery_redsem.core.keys import SemaphoreKeys
+
+__all__ = [
+    "ACQUIRE",
+    "REFRESH",
+    "RELEASE",
+    "STATE",
+    "LuaScript",
+    "as_text",
+    "run_script",
+    "script_failed",
+    "script_keys",
+]
 
 
 def _read(name: str) -> str:
@@ -84,3 +99,31 @@ ACQUIRE = LuaScript("acquire.lua")
 RELEASE = LuaScript("release.lua")
 REFRESH = LuaScript("refresh.lua")
 STATE = LuaScript("state.lua")
+
+
+def script_keys(client: RedisClient, keys: SemaphoreKeys) -> list[str]:
+    """The keys a script call declares: on one server only the holders hash (the scripts
+    derive the others, which share its hash tag; fewer arguments, a shorter call on every task
+    start and end); on Redis Cluster all four, so that while their slot migrates Redis
+    redirects the call (``ASK``, ``TRYAGAIN``) instead of running it on half the keys."""
+    if isinstance(client, RedisCluster):
+        return [keys.holders, keys.waiters, keys.waiter_expiry, keys.waiter_due]
+    return [keys.holders]
+
+
+def as_text(value: bytes | str) -> str:
+    """A reply as str, whether the client decodes replies or not."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def script_failed(script: LuaScript, name: str, exc: BaseException) -> BackendError:
+    """The BackendError for ``script`` failing on semaphore ``name`` with ``exc``."""
+    return BackendError(f"Redis failed during {script.filename} for {name!r}: {exc}", name=name)
+
+
+def run_script(script: LuaScript, client: Any, keys: list[str], args: list[Any], name: str) -> Any:
+    """Run ``script`` on ``client``; a Redis error becomes a BackendError about ``name``."""
+    try:
+        return script(client, keys, args)
+    except REDIS_ERRORS as exc:
+        raise script_failed(script, name, exc) from exc

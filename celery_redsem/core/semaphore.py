@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import redis
-from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from .errors import (
+from celery_redsem.core.client import (
+    DEFAULT_IDLE_TTL,
+    DEFAULT_LEASE,
+    DEFAULT_REPLICA_TIMEOUT,
+    RedisClient,
+    blocking_wait_cap,
+    socket_timeout,
+    to_ms,
+    validate_client,
+)
+from celery_redsem.core.errors import (
     REDIS_ERRORS,
     AcquireTimeout,
     BackendError,
@@ -27,46 +35,29 @@ from .errors import (
     NotEnoughReplicas,
     PermitLost,
 )
-from .keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
-from .lane import executor_for
-from .node_batch import run_on_nodes
-from .permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
-from .permits import HolderInfo, Permit, RefreshResult, SemaphoreState, WaiterInfo, Waiting
-from .replication import connected_replicas, forget_primary, run_acknowledged
-from .scripts import ACQUIRE, REFRESH, RELEASE, STATE, LuaScript
+from celery_redsem.core.heartbeat import Heartbeat, HeldPermit, get_heartbeat
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from celery_redsem.core.lane import executor_for
+from celery_redsem.core.permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
+from celery_redsem.core.permits import HolderInfo, Permit, SemaphoreState, WaiterInfo, Waiting
+from celery_redsem.core.refresh import refresh_permits
+from celery_redsem.core.replication import connected_replicas, forget_primary, run_acknowledged
+from celery_redsem.core.scripts import (
+    ACQUIRE,
+    RELEASE,
+    LuaScript,
+    as_text,
+    script_failed,
+    script_keys,
+)
+from celery_redsem.core.state import read_state
+from celery_redsem.core.validation import LIMIT, SECONDS, count_rule
 
-if TYPE_CHECKING:
-    from .heartbeat import Heartbeat, HeldPermit
+__all__ = ["FairSemaphore", "Lock"]
 
-__all__ = ["FairSemaphore", "Lock", "RedisClient", "refresh_permits"]
+_REPLICAS = count_rule(minimum=0)
 
-RedisClient = redis.Redis | RedisCluster
-DEFAULT_LEASE = 10.0
-DEFAULT_IDLE_TTL = 60.0
-DEFAULT_REPLICA_TIMEOUT = 0.5
 RENEWED = ":renewed"  # acquire.lua marks a renewal with this suffix when asked to
-
-
-def _ms(seconds: float) -> int:
-    return max(1, math.ceil(seconds * 1000))
-
-
-def _positive_seconds(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigurationError(f"{what} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(f"{what} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
-
-
-def _validate_client(client: object) -> RedisClient:
-    if not isinstance(client, redis.Redis | RedisCluster):
-        raise ConfigurationError(
-            f"client must be a redis.Redis or redis.cluster.RedisCluster, got "
-            f"{type(client).__module__}.{type(client).__qualname__}; "
-            "create one with redis.Redis.from_url('redis://host:6379/0')"
-        )
-    return client
 
 
 def _back_in(back_in: object, waiter_lease: float) -> float:
@@ -92,21 +83,6 @@ def _validate_permit_id(permit_id: object) -> str:
     if len(permit_id) > MAX_PERMIT_ID_LENGTH:
         raise ConfigurationError(f"permit_id longer than {MAX_PERMIT_ID_LENGTH} characters")
     return permit_id
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _failed(script: LuaScript, name: str, exc: BaseException) -> BackendError:
-    return BackendError(f"Redis failed during {script.filename} for {name!r}: {exc}", name=name)
-
-
-def _run(script: LuaScript, client: Any, keys: list[str], args: list[Any], name: str) -> Any:
-    try:
-        return script(client, keys, args)
-    except REDIS_ERRORS as exc:
-        raise _failed(script, name, exc) from exc
 
 
 class FairSemaphore:
@@ -148,18 +124,14 @@ class FairSemaphore:
         min_replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
-        self.client = _validate_client(client)
+        self.client = validate_client(client)
         self.name = validate_name(name)
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise ConfigurationError(f"limit must be an int >= 1, got {limit!r}", name=name)
-        if limit < 1:
-            raise ConfigurationError(f"limit must be >= 1, got {limit}", name=name)
-        self.limit = limit
-        self.lease = _positive_seconds(lease, "lease")
-        self.waiter_lease = _positive_seconds(
+        self.limit: int = LIMIT.check(limit, "limit", name=name)
+        self.lease = SECONDS.check(lease, "lease")
+        self.waiter_lease = SECONDS.check(
             self.lease if waiter_lease is None else waiter_lease, "waiter_lease"
         )
-        self.idle_ttl = _positive_seconds(idle_ttl, "idle_ttl")
+        self.idle_ttl = SECONDS.check(idle_ttl, "idle_ttl")
         self.keys = SemaphoreKeys(validate_prefix(prefix), self.name)
         self._clock = clock
         self._keys = script_keys(self.client, self.keys)
@@ -168,14 +140,10 @@ class FairSemaphore:
         # EVALSHA's numkeys and keys, encoded once, not on every call.
         self._key_args = (str(len(self._keys)).encode(), *(k.encode() for k in self._keys))
         self._prefix = self.keys.prefix
-        self._lease_ms = _ms(self.lease)
-        self._idle_ms = _ms(self.idle_ttl)
-        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 0:
-            raise ConfigurationError(
-                f"min_replicas must be an int >= 0, got {min_replicas!r}", name=name
-            )
-        self.min_replicas = min_replicas
-        self.replica_timeout = _positive_seconds(replica_timeout, "replica_timeout")
+        self._lease_ms = to_ms(self.lease)
+        self._idle_ms = to_ms(self.idle_ttl)
+        self.min_replicas: int = _REPLICAS.check(min_replicas, "min_replicas", name=name)
+        self.replica_timeout = SECONDS.check(replica_timeout, "replica_timeout")
         if min_replicas and self.replica_timeout > blocking_wait_cap(self.client):
             raise ConfigurationError(
                 f"replica_timeout={self.replica_timeout}s does not fit in the client's "
@@ -217,7 +185,7 @@ class FairSemaphore:
         if waiter_lease is not None or back_in:
             lease = self.waiter_lease if waiter_lease is None else waiter_lease
             settings = self._settings(
-                _positive_seconds(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
+                SECONDS.check(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
             )
         else:
             settings = self._settings_join if join_line else self._settings_try
@@ -239,7 +207,7 @@ class FairSemaphore:
                 raise exc
             return script.load_and_call(self.client, self._keys, args)
         except REDIS_ERRORS as error:
-            raise _failed(script, self.name, error) from error
+            raise script_failed(script, self.name, error) from error
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
         """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""
@@ -258,7 +226,7 @@ class FairSemaphore:
         back = math.ceil(back_in * 1000)
         mark = ":1" if self.min_replicas else ""
         return (
-            f"{self.limit}:{self._lease_ms}:{_ms(waiter_lease)}:{self._idle_ms}:{join}:{back}"
+            f"{self.limit}:{self._lease_ms}:{to_ms(waiter_lease)}:{self._idle_ms}:{join}:{back}"
             f"{mark}|"
         )
 
@@ -271,7 +239,7 @@ class FairSemaphore:
                 self._keys,
                 args,
                 replicas=self.min_replicas,
-                timeout_ms=_ms(self.replica_timeout),
+                timeout_ms=to_ms(self.replica_timeout),
             )
         except REDIS_ERRORS as exc:
             raise BackendError(
@@ -279,7 +247,7 @@ class FairSemaphore:
             ) from exc
         renewed = False
         if isinstance(reply, bytes | str):  # a grant
-            text = _text(reply)
+            text = as_text(reply)
             renewed = text.endswith(RENEWED)
             reply = text.removesuffix(RENEWED)
         permit = self._result(pid, reply)
@@ -385,8 +353,6 @@ class FairSemaphore:
 
     def _keep_alive(self, permit: Permit) -> tuple[Heartbeat, HeldPermit]:
         """Have this process's heartbeat thread refresh ``permit`` until untracked."""
-        from .heartbeat import HeldPermit, get_heartbeat  # heartbeat imports this module
-
         heartbeat = get_heartbeat()
         held = HeldPermit(permit, self.client, idle_ttl=self.idle_ttl, task_name=repr(self))
         return heartbeat, heartbeat.track(held)
@@ -486,125 +452,3 @@ class Lock(FairSemaphore):
             min_replicas=min_replicas,
             replica_timeout=replica_timeout,
         )
-
-
-def socket_timeout(client: RedisClient) -> float | None:
-    """The socket timeout ``client``'s connections use, in seconds (None: none)."""
-    if isinstance(client, RedisCluster):
-        kwargs = client.get_connection_kwargs()  # type: ignore[no-untyped-call]
-    else:
-        kwargs = client.connection_pool.connection_kwargs
-    value = kwargs.get("socket_timeout")
-    return float(value) if value else None
-
-
-def blocking_wait_cap(client: RedisClient) -> float:
-    """Seconds a blocking command (BLPOP) may wait on ``client`` without hitting its socket
-    timeout: the timeout less a margin (``inf`` if it has none)."""
-    timeout = socket_timeout(client)
-    if timeout is None:
-        return math.inf
-    return max(0.01, timeout - max(0.1, 0.2 * timeout))
-
-
-def script_keys(client: RedisClient, keys: SemaphoreKeys) -> list[str]:
-    """The keys a script call declares: on one server only the holders hash (the scripts
-    derive the others, which share its hash tag; fewer arguments, a shorter call on every task
-    start and end); on Redis Cluster all four, so that while their slot migrates Redis
-    redirects the call (``ASK``, ``TRYAGAIN``) instead of running it on half the keys."""
-    if isinstance(client, RedisCluster):
-        return [keys.holders, keys.waiters, keys.waiter_expiry, keys.waiter_due]
-    return [keys.holders]
-
-
-def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> SemaphoreState:
-    """Snapshot of the semaphore ``name`` without knowing its limit (the CLI uses this)."""
-    keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
-    now, limit, fence, flat_holders, flat_waiters = _run(
-        STATE, client, script_keys(client, keys), [], name
-    )
-    now = int(now)
-    return SemaphoreState(
-        name=name,
-        limit=int(limit) if limit else None,
-        last_token=int(fence) if fence else None,
-        now_ms=now,
-        holders=[HolderInfo(pid, n, at, at - now) for pid, n, at in _triples(flat_holders)],
-        waiters=[WaiterInfo(pid, n, at, at - now) for pid, n, at in _triples(flat_waiters)],
-    )
-
-
-def _triples(flat: list[Any]) -> Iterator[tuple[str, int, int]]:
-    """state.lua's flat ``id, number, expiry ms, ...`` lists as typed triples."""
-    for i in range(0, len(flat), 3):
-        yield _text(flat[i]), int(float(flat[i + 1])), int(float(flat[i + 2]))
-
-
-def refresh_permits(
-    client: RedisClient, permits: Iterable[Permit], *, idle_ttl: float = DEFAULT_IDLE_TTL
-) -> RefreshResult:
-    """Extend many permits' leases at once and report which were lost.
-
-    On a single server this is one script call for all permits. On Redis Cluster the permits are
-    grouped by hash slot (a script may only touch one slot) and the per-slot calls go out in one
-    pipeline per node, all written before any reply is read: one round trip for all nodes
-    (:mod:`~celery_redsem.core.node_batch`).
-    A permit is never resurrected: one that expired or was released is reported lost.
-
-    Raises :class:`BackendError` if no permit could be refreshed. On a cluster where only some
-    nodes failed, the permits on them are in ``failed`` (and the first error in ``error``);
-    the others are refreshed or lost as usual.
-    """
-    batch = list(permits)
-    if not batch:
-        return RefreshResult()
-    idle_ms = _ms(_positive_seconds(idle_ttl, "idle_ttl"))
-    if isinstance(client, RedisCluster):
-        groups: dict[int, list[Permit]] = {}
-        for permit in batch:
-            slot = int(client.keyslot(permit.keys.holders))  # type: ignore[no-untyped-call]
-            groups.setdefault(slot, []).append(permit)
-        parts = list(groups.values())
-    else:
-        parts = [batch]
-    calls: list[tuple[list[str], list[Any]]] = []
-    for part in parts:
-        keys: list[str] = []
-        args: list[Any] = [idle_ms]
-        for permit in part:
-            keys.append(permit.keys.holders)
-            args += [permit.id, str(permit.token), _ms(permit.lease)]
-        calls.append((keys, args))
-    if len(calls) == 1:
-        replies: list[Any] = [_run(REFRESH, client, *calls[0], batch[0].name)]
-    else:
-        assert isinstance(client, RedisCluster)  # only a cluster has several
-        replies = run_on_nodes(REFRESH, client, calls)
-    refreshed: list[Permit] = []
-    lost: list[Permit] = []
-    failed: list[Permit] = []
-    first_error: BackendError | None = None
-    for part, reply in zip(parts, replies, strict=True):
-        if isinstance(reply, Exception):  # its node failed (only on a cluster)
-            failed += part
-            if first_error is None:
-                first_error = _failed(REFRESH, part[0].name, reply)
-                first_error.__cause__ = reply
-            continue
-        for permit, expires_at in zip(part, reply, strict=True):
-            if int(expires_at) > 0:
-                refreshed.append(
-                    Permit(
-                        permit.id,
-                        permit.name,
-                        permit.token,
-                        int(expires_at),
-                        permit.lease,
-                        permit.prefix,
-                    )
-                )
-            else:
-                lost.append(permit)
-    if first_error is not None and len(failed) == len(batch):
-        raise first_error  # no permit could be refreshed
-    return RefreshResult(refreshed, lost, failed, first_error)

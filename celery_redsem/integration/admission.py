@@ -61,11 +61,10 @@ from celery.worker import state as worker_state
 from celery_redsem.core.errors import BackendError
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit
-
-from .backoff import hold_times
-from .config import get_config
-from .handoff import clear_grant, hand_over
-from .task_guard import (
+from celery_redsem.integration.backoff import hold_times
+from celery_redsem.integration.config import get_config
+from celery_redsem.integration.handoff import clear_grant, hand_over
+from celery_redsem.integration.task_guard import (
     WAIT_HEADER,
     TaskGuard,
     WaitState,

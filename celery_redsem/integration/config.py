@@ -25,15 +25,15 @@ from typing import Any, NamedTuple
 from celery import Celery
 from celery.local import Proxy
 
-from celery_redsem.core.clients import client_from_url, redact_url
-from celery_redsem.core.errors import ConfigurationError
-from celery_redsem.core.keys import DEFAULT_PREFIX, validate_prefix
-from celery_redsem.core.semaphore import (
+from celery_redsem.core.client import (
     DEFAULT_IDLE_TTL,
     DEFAULT_LEASE,
     DEFAULT_REPLICA_TIMEOUT,
     RedisClient,
 )
+from celery_redsem.core.clients import client_from_url, redact_url
+from celery_redsem.core.errors import ConfigurationError
+from celery_redsem.core.keys import DEFAULT_PREFIX, validate_prefix
 
 __all__ = [
     "DEFAULT_REDIS_OPTIONS",

@@ -26,9 +26,8 @@ from celery._state import get_current_task
 from celery.local import Proxy
 
 from celery_redsem.core.errors import ConfigurationError
-
-from . import worker as _worker  # noqa: F401  (connects the worker's signal handlers)
-from .task_guard import _GUARD_ATTR, KeyFunction, TaskGuard, current_permit
+from celery_redsem.integration import worker as _worker  # noqa: F401  (connects the worker's signal handlers)
+from celery_redsem.integration.task_guard import _GUARD_ATTR, KeyFunction, TaskGuard, current_permit
 
 __all__ = ["current_permit", "with_lock", "with_semaphore"]
 

@@ -47,6 +47,7 @@ from celery._state import get_current_app, get_current_task
 from celery.app.task import Context
 from celery.exceptions import Retry
 
+from celery_redsem.core.client import socket_timeout
 from celery_redsem.core.errors import (
     REDIS_ERRORS,
     AcquireTimeout,
@@ -58,17 +59,21 @@ from celery_redsem.core.heartbeat import HeldPermit, LeaseInterrupt, get_heartbe
 from celery_redsem.core.keys import validate_name
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit, Waiting
-from celery_redsem.core.semaphore import FairSemaphore, socket_timeout
-
-from .backoff import (
+from celery_redsem.core.semaphore import FairSemaphore
+from celery_redsem.integration.backoff import (
     contention_countdown,
     error_countdown,
     head_wait_budget,
     hold_times,
     return_delays,
 )
-from .config import LOST_LEASE_POLICIES, RedsemConfig, get_client, get_config
-from .handoff import take_over
+from celery_redsem.integration.config import (
+    LOST_LEASE_POLICIES,
+    RedsemConfig,
+    get_client,
+    get_config,
+)
+from celery_redsem.integration.handoff import take_over
 
 __all__ = [
     "WAIT_HEADER",

@@ -45,13 +45,22 @@ from celery.signals import task_revoked, worker_init
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
+from celery_redsem.core.client import RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, RedsemError, is_transient
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.core.semaphore import RedisClient
-
-from .admission import install_admission
-from .config import RedsemConfig, get_client, get_config, refresh_stall_warning
-from .task_guard import TaskGuard, call_arguments, guards_of, iter_guarded_tasks
+from celery_redsem.integration.admission import install_admission
+from celery_redsem.integration.config import (
+    RedsemConfig,
+    get_client,
+    get_config,
+    refresh_stall_warning,
+)
+from celery_redsem.integration.task_guard import (
+    TaskGuard,
+    call_arguments,
+    guards_of,
+    iter_guarded_tasks,
+)
 
 __all__ = [
     "ReleasingRequest",

@@ -11,10 +11,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
 from celery_redsem.core.permits import SemaphoreState
-from celery_redsem.core.semaphore import DEFAULT_IDLE_TTL, FairSemaphore, RedisClient, read_state
+from celery_redsem.core.semaphore import FairSemaphore
+from celery_redsem.core.state import read_state
 
 __all__ = [
     "ForceRelease",

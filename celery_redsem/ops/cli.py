@@ -21,13 +21,13 @@ from typing import Any, NoReturn
 
 import click
 
+from celery_redsem.core.client import RedisClient
 from celery_redsem.core.clients import client_from_url, redact_url
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, RedsemError
 from celery_redsem.core.keys import SemaphoreKeys, validate_prefix
 from celery_redsem.core.permits import SemaphoreState
-from celery_redsem.core.semaphore import RedisClient, read_state
-
-from .admin import force_release, purge, state_to_dict, states
+from celery_redsem.core.state import read_state
+from celery_redsem.ops.admin import force_release, purge, state_to_dict, states
 
 __all__ = ["redsem"]
 
