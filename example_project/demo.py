@@ -349,7 +349,7 @@ def summary(seconds: float, t0: float, day: str) -> int:
     books = market_api.books(list(ACCOUNTS))
     say()
     if SNAPSHOT:
-        say("What `celery -A proj redsem status 'market:*'` showed during the burst:")
+        say("What `celery -A proj redsem status --pattern 'market:*'` showed during the burst:")
         say("\n".join("  | " + line for line in SNAPSHOT[0].rstrip().splitlines()))
         say()
     purchases = sum(ACCOUNTS.values())

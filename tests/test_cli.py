@@ -72,7 +72,7 @@ def test_status_lists_holders_waiters_and_last_token(app, busy):
 
 
 def test_status_json_for_scripts(app, busy, prefix):
-    result = run(app, "status", "market:*", "--json")
+    result = run(app, "status", "--pattern", "market:*", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert (data["prefix"], data["total"]) == (prefix, 1)
@@ -86,7 +86,7 @@ def test_status_json_for_scripts(app, busy, prefix):
 
 
 def test_status_says_when_nothing_matches_and_caps_the_list(app, busy):
-    assert "No semaphore" in run(app, "status", "nothing:*").output
+    assert "No semaphore" in run(app, "status", "-p", "nothing:*").output
     capped = run(app, "status", "--max", "1")
     assert "report:1" not in capped.output
     assert "... and 1 more" in capped.output
@@ -150,7 +150,7 @@ def test_purge_asks_first(app, busy, redis_client, prefix):
     assert "3 live permit(s)" in refused.output
     assert any(redis_client.scan_iter(match=f"{prefix}:*"))
 
-    done = run(app, "purge", "market:*", stdin="y\n")
+    done = run(app, "purge", "--pattern", "market:*", stdin="y\n")
     assert done.exit_code == 0, done.output
     assert "Purged 1 semaphore(s)." in done.output
     left = {k.decode() for k in redis_client.scan_iter(match=f"{prefix}:*")}
@@ -197,3 +197,123 @@ def test_through_celerys_own_command_line(app, busy):
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["total"] == 2
+
+
+# -- names as names, and no stored id breaking a listing ------------------------------------------
+
+
+def _keys(redis_client: redis.Redis, prefix: str) -> set[str]:
+    return {k.decode() for k in redis_client.scan_iter(match=f"{prefix}:*")}
+
+
+def _woken_waiter(redis_client: redis.Redis, prefix: str, name: str, waiter: str) -> str:
+    """``name`` with ``waiter`` in line and woken by a release: its wake-up list exists."""
+    sem = FairSemaphore(redis_client, name, 1, prefix=prefix, lease=30)
+    first = sem.acquire(permit_id="first")
+    sem.attempt(waiter, join_line=True)
+    assert first is not None
+    assert sem.release(first)
+    wake = f"{prefix}:{{{name}}}:wake:{waiter}"
+    assert redis_client.exists(wake), "the release did not wake the waiter"
+    return wake
+
+
+def test_a_waiter_id_that_looks_like_a_key_breaks_no_listing(app, busy, redis_client, prefix):
+    wake = _woken_waiter(redis_client, prefix, "m", "evil}:holders")
+    result = run(app, "status")
+    assert result.exit_code == 0, result.output
+    assert "m  limit 1  held 0/1  waiting 1" in result.output
+    assert "waiter  #1  evil}:holders" in result.output
+    assert "market:alice  limit 2" in result.output
+    data = json.loads(run(app, "status", "--json").stdout)
+    assert sorted(s["name"] for s in data["semaphores"]) == ["m", "market:alice", "report:1"]
+    assert data["skipped"] == []
+
+    refused = run(app, "purge", stdin="n\n")
+    assert "3 semaphore(s)" in refused.output
+    done = run(app, "purge", "m", "--yes")
+    assert done.exit_code == 0, done.output
+    assert "Purged 1 semaphore(s)." in done.output
+    assert not [k for k in _keys(redis_client, prefix) if "{m}" in k]
+    assert not redis_client.exists(wake)
+    alice = FairSemaphore(redis_client, "market:alice", 2, prefix=prefix)
+    assert [h.permit_id for h in alice.holders()] == ["task-a", "task-b"]
+
+
+def test_a_glob_across_a_permit_ids_brace_purges_only_what_it_names(app, redis_client, prefix):
+    # SCAN's "*" matches "a}:wake:x" in the wake-up list of "a"'s waiter "x}:y": "a" must stay.
+    _woken_waiter(redis_client, prefix, "a", "x}:y")
+    FairSemaphore(redis_client, "bx", 1, prefix=prefix, lease=30).acquire(permit_id="t")
+    assert json.loads(run(app, "status", "-p", "*x", "--json").stdout)["total"] == 1
+    done = run(app, "purge", "--pattern", "*x", "--yes", "--json")
+    assert json.loads(done.stdout)["purged"] == 1
+    left = _keys(redis_client, prefix)
+    assert f"{prefix}:{{a}}:holders" in left
+    assert not [k for k in left if "{bx}" in k]
+
+
+def test_names_with_glob_characters_are_names(app, redis_client, prefix):
+    for name in ("t:a", "t:b", "t:[ab]", "t:*", "t:?\\"):
+        FairSemaphore(redis_client, name, 1, prefix=prefix, lease=30).acquire(permit_id="x")
+    for name in ("t:[ab]", "t:*"):
+        shown = json.loads(run(app, "status", name, "--json").stdout)
+        assert [s["name"] for s in shown["semaphores"]] == [name]
+
+    done = run(app, "purge", "t:[ab]", "--yes")
+    assert done.exit_code == 0, done.output
+    assert "Purged 1 semaphore(s)." in done.output
+    left = _keys(redis_client, prefix)
+    assert f"{prefix}:{{t:a}}:holders" in left
+    assert f"{prefix}:{{t:b}}:holders" in left
+    assert f"{prefix}:{{t:[ab]}}:holders" not in left
+    assert run(app, "purge", "t:?\\", "--yes").exit_code == 0
+    assert f"{prefix}:{{t:?\\}}:holders" not in _keys(redis_client, prefix)
+
+    hint = run(app, "status", "t:[ab]")
+    assert "NAME is a name, not a glob" in hint.output
+    assert "--pattern 't:[ab]'" in hint.output
+    by_glob = json.loads(run(app, "status", "--pattern", "t:[ab]", "--json").stdout)
+    assert [s["name"] for s in by_glob["semaphores"]] == ["t:a", "t:b"]
+
+
+def test_a_name_and_a_pattern_at_once_is_a_usage_error(app):
+    result = run(app, "status", "x", "--pattern", "y*")
+    assert result.exit_code == 2
+    assert "not both" in result.output
+    braces = run(app, "status", "--pattern", "x}*")
+    assert braces.exit_code == 1
+    assert "must not contain" in braces.output
+
+
+def test_an_unreadable_semaphore_is_skipped_with_a_warning(app, busy, redis_client, prefix):
+    redis_client.set(f"{prefix}:{{wrongtype}}:holders", "left by a bug")
+    redis_client.hset(f"{prefix}:{{badbytes}}:holders", b"\xff\xfe", b"1:99999999999999")
+    redis_client.hset(f"{prefix}:{{badbytes}}:holders", ":limit", 1)
+    result = run(app, "status")
+    assert result.exit_code == 0, result.output
+    assert "market:alice  limit 2" in result.output
+    assert "report:1  limit 1" in result.output
+    assert "Warning: skipped semaphore wrongtype" in result.stderr
+    assert "Warning: skipped semaphore badbytes" in result.stderr
+    data = json.loads(run(app, "status", "--json").stdout)
+    assert data["total"] == 4
+    assert sorted(s["name"] for s in data["skipped"]) == ["badbytes", "wrongtype"]
+    assert sorted(s["name"] for s in data["semaphores"]) == ["market:alice", "report:1"]
+
+    done = run(app, "purge", "--yes", "--json")  # a poisoned semaphore can still be purged
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["purged"] == 4
+    assert not _keys(redis_client, prefix)
+
+
+def test_ids_with_control_characters_are_shown_escaped(app, redis_client, prefix):
+    sem = FairSemaphore(redis_client, "esc", 1, prefix=prefix, lease=30)
+    sem.acquire(permit_id="x\n  holder  forged  token 1")
+    sem.attempt("\x1b[2Jcleared", join_line=True)
+    result = run(app, "status", "esc")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 3
+    assert not [line for line in lines if line.startswith("  holder  forged")]
+    assert "\x1b" not in result.output
+    assert "'x\\n  holder  forged  token 1'" in result.output

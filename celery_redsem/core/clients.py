@@ -25,7 +25,8 @@ with ``sentinel_kwargs``. Options that apply only to Sentinel (Celery's transpor
 ``ssl_cert_reqs`` takes Celery's spelling too (``CERT_REQUIRED``, ``CERT_OPTIONAL``,
 ``CERT_NONE``), so a result-backend URL written for Celery works here unchanged.
 Every other option is passed to redis-py unchanged (e.g. ``socket_timeout``). Passwords never
-appear in an error message: :func:`redact_url` replaces them with ``***``.
+appear in an error message: URLs and options go through :mod:`celery_redsem.core.redaction`
+(:func:`redact_url` replaces a password with ``***``).
 """
 
 from __future__ import annotations
@@ -41,57 +42,15 @@ from redis.exceptions import RedisClusterException
 
 from celery_redsem.core.client import RedisClient
 from celery_redsem.core.errors import BackendError, ConfigurationError
+from celery_redsem.core.redaction import redact_url, safe_repr, scrub
 
 __all__ = ["CLUSTER_SCHEMES", "SENTINEL_OPTIONS", "client_from_url", "redact_url", "scrub"]
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_OPTIONS = ("master_name", "sentinel_kwargs", "min_other_sentinels")
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
-_SECRET_QUERY = re.compile(r"(?i)([?&]\w*password=)[^&#;]*")
 # Celery's documentation writes ``?ssl_cert_reqs=CERT_REQUIRED``; redis-py takes ``required``.
 _CELERY_CERT_REQS = re.compile(r"(?i)([?&]ssl_cert_reqs=)CERT_(REQUIRED|OPTIONAL|NONE)(?=[&#;]|$)")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with every password replaced by ``***``, safe for logs and error messages.
-
-    Handles ``;``-separated Sentinel lists, comma-separated cluster nodes, ``?password=`` (and
-    ``?ssl_password=`` ...), and passwords with ``/``, ``?``, ``#``, ``;`` or ``@`` in them: all
-    of the address up to its last ``@`` is treated as the user part (over-redacting is safe).
-    """
-    text = str(url)
-    chunks = text.split(";") if text.lower().startswith("sentinel://") else [text]
-    return ";".join(_redact_one(chunk) for chunk in chunks)
-
-
-def _redact_one(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if sep:
-        userinfo, at, after = rest.rpartition("@")
-        if at and ":" in userinfo:
-            url = f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{after}"
-        elif at and "/" in userinfo:  # no user:password form, but not a plain user either
-            url = f"{scheme}{sep}***@{after}"
-    return _SECRET_QUERY.sub(r"\1***", url)
-
-
-def _secrets(url: str) -> list[str]:
-    """The password in ``url`` and the pieces a URL parser may quote from it."""
-    found: list[str] = []
-    for chunk in url.split(";"):
-        userinfo, at, _ = chunk.partition("://")[2].rpartition("@")
-        if at and ":" in userinfo:
-            found.append(userinfo.split(":", 1)[1])
-    found += [m.group(0).split("=", 1)[1] for m in re.finditer(r"(?i)\w*password=[^&#;]*", url)]
-    pieces = [piece for secret in found for piece in re.split(r"[/?#;@:&]", secret)]
-    return sorted({s for s in [*found, *pieces] if len(s) >= 3}, key=len, reverse=True)
-
-
-def scrub(text: str, url: str) -> str:
-    """``text`` (say, a parser's error message about ``url``) with the URL's passwords removed."""
-    for secret in _secrets(url):
-        text = text.replace(secret, "***")
-    return text
 
 
 def client_from_url(url: str, **options: Any) -> RedisClient:
@@ -101,7 +60,7 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
     :class:`BackendError` if a cluster cannot be reached to learn its layout.
     """
     if not isinstance(url, str) or not url:
-        raise ConfigurationError(f"Redis URL must be a non-empty str, got {url!r}")
+        raise ConfigurationError(f"Redis URL must be a non-empty str, got {safe_repr(url)}")
     scheme = url.split("://", 1)[0].lower()
     url = _CELERY_CERT_REQS.sub(lambda m: m.group(1) + m.group(2).lower(), url)
     misplaced = [name for name in SENTINEL_OPTIONS if name in options]
@@ -123,14 +82,16 @@ def client_from_url(url: str, **options: Any) -> RedisClient:
         if scheme == "sentinel":
             return _checked(_sentinel_client(url, **options))
     except RedisClusterException as exc:
-        reason = scrub(str(exc), url)
+        reason = scrub(str(exc), url, options)
         raise BackendError(f"cannot reach the cluster at {redact_url(url)!r}: {reason}") from exc
     except redis.RedisError as exc:
-        raise BackendError(f"Redis failed for {redact_url(url)!r}: {scrub(str(exc), url)}") from exc
+        raise BackendError(
+            f"Redis failed for {redact_url(url)!r}: {scrub(str(exc), url, options)}"
+        ) from exc
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigurationError):
             raise
-        reason = scrub(str(exc), url)
+        reason = scrub(str(exc), url, options)
         raise ConfigurationError(
             f"bad Redis URL or option for {redact_url(url)!r}: {reason}"
         ) from exc
@@ -214,7 +175,9 @@ def _sentinel_client(url: str, **options: Any) -> redis.Redis:
     if isinstance(min_other, str) and min_other.isdigit():
         min_other = int(min_other)
     if not isinstance(min_other, int) or isinstance(min_other, bool) or min_other < 0:
-        raise ConfigurationError(f"min_other_sentinels must be an int >= 0, got {min_other!r}")
+        raise ConfigurationError(
+            f"min_other_sentinels must be an int >= 0, got {safe_repr(min_other)}"
+        )
     manager = Sentinel(  # type: ignore[no-untyped-call]
         sentinels,
         min_other_sentinels=min_other,

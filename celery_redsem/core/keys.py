@@ -106,5 +106,7 @@ class SemaphoreKeys:
         head = f"{prefix}:{{"
         if not key.startswith(head):
             return None
-        end = key.rfind("}:")
-        return key[len(head) : end] if end >= len(head) else None
+        # A name has no braces, so it ends at the first "}" (a permit id inside a wake-up
+        # list's key may hold "}:" itself).
+        end = key.find("}:", len(head))
+        return key[len(head) : end] if end > len(head) else None

@@ -2,17 +2,23 @@
 
 Everything here finds keys with ``SCAN`` (never ``KEYS``), so it is safe on a busy production
 server and works on Redis Cluster (redis-py scans every primary). Nothing here is needed by tasks.
+
+Patterns are Redis globs (``*``, ``?``, ``[...]``, ``\\`` escapes) on semaphore names; pass
+``glob_escape(name)`` to find one name exactly, whatever characters it has. A key is taken as
+a semaphore's only if it is spelled exactly as :class:`SemaphoreKeys` spells it: a permit id
+such as ``x}:holders`` (inside a wake-up list's key) never passes for a semaphore name.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
-from celery_redsem.core.errors import REDIS_ERRORS, BackendError
+from celery_redsem.core.errors import REDIS_ERRORS, BackendError, ConfigurationError, RedsemError
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.semaphore import FairSemaphore
@@ -21,6 +27,7 @@ from celery_redsem.core.state import read_state
 __all__ = [
     "ForceRelease",
     "force_release",
+    "glob_escape",
     "iter_names",
     "purge",
     "state_to_dict",
@@ -30,18 +37,52 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SCAN_COUNT = 500
+_GLOB_SPECIALS = re.compile(r"[\\*?\[\]]")
+
+#: Called with a semaphore's name and the error that kept it out of a listing.
+OnSkip = Callable[[str, Exception], None]
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def glob_escape(text: str) -> str:
+    """A SCAN pattern that matches exactly ``text`` (every glob character escaped)."""
+    return _GLOB_SPECIALS.sub(lambda m: "\\" + m.group(0), text)
+
+
+def _raw(key: str) -> bytes:
+    """``key`` as the bytes Redis stores (undoing :func:`_scan`'s surrogates)."""
+    return key.encode("utf-8", "surrogateescape")
 
 
 def _scan(client: RedisClient, match: str) -> Iterator[str]:
+    """Keys matching ``match``; a key that is not UTF-8 keeps its bytes as surrogates."""
     try:
         for key in client.scan_iter(match=match, count=SCAN_COUNT):
-            yield _text(key)
+            yield key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key
     except REDIS_ERRORS as exc:
         raise BackendError(f"Redis failed while scanning {match!r}: {exc}") from exc
+
+
+def _scan_names(
+    client: RedisClient, prefix: str, pattern: str, every_key: bool
+) -> Iterator[tuple[str, str, bool]]:
+    """``(name, key, fixed)`` for each key of a semaphore whose name matches ``pattern``: its
+    ``holders`` key only, or (``every_key``) also its other keys, ``fixed`` for all but the
+    wake-up lists. The name ends at the first ``}`` (names have none), and a key counts only if
+    it is one :class:`SemaphoreKeys` spells for that name."""
+    prefix = validate_prefix(prefix)
+    if "{" in pattern or "}" in pattern:
+        raise ConfigurationError(f"pattern {pattern!r} must not contain '{{' or '}}'")
+    glob = SemaphoreKeys(glob_escape(prefix), pattern)
+    head = SemaphoreKeys(prefix, "").base[:-1]  # "<prefix>:{"
+    for key in _scan(client, f"{glob.base}:*" if every_key else glob.holders):
+        name, brace, _ = key[len(head) :].partition("}")
+        if not (key.startswith(head) and brace and name):
+            continue
+        keys = SemaphoreKeys(prefix, name)
+        if key == keys.holders or (every_key and key in keys.all):
+            yield name, key, True
+        elif every_key and key.startswith(keys.wake_prefix):
+            yield name, key, False
 
 
 def iter_names(
@@ -52,11 +93,9 @@ def iter_names(
     Unordered, each name once. A semaphore is found by its ``holders`` key, which outlives its other
     keys, so an idle semaphore is listed until its keys expire.
     """
-    prefix = validate_prefix(prefix)
     seen: set[str] = set()
-    for key in _scan(client, SemaphoreKeys.scan_pattern(prefix, pattern)):
-        name = SemaphoreKeys.name_from_key(prefix, key)
-        if name is not None and name not in seen:
+    for name, _key, _fixed in _scan_names(client, prefix, pattern, every_key=False):
+        if name not in seen:
             seen.add(name)
             yield name
 
@@ -67,14 +106,30 @@ def states(
     prefix: str = DEFAULT_PREFIX,
     pattern: str = "*",
     max_count: int | None = None,
+    on_skip: OnSkip | None = None,
 ) -> tuple[list[SemaphoreState], int]:
     """Snapshots of the matching semaphores, sorted by name, and how many matched in all.
 
     At most ``max_count`` snapshots are read (one round trip each); the count is of all matches.
+    A semaphore that cannot be read (a name no call accepts, stored data the state script or
+    its reader cannot take) is left out and passed to ``on_skip`` (default: a logged
+    warning), so that one bad entry never hides the others; an outage still raises.
     """
     names = sorted(iter_names(client, prefix=prefix, pattern=pattern))
     shown = names if max_count is None else names[:max_count]
-    return [read_state(client, name, prefix=prefix) for name in shown], len(names)
+    found = []
+    for name in shown:
+        try:
+            found.append(read_state(client, name, prefix=prefix))
+        except (RedsemError, ValueError) as exc:  # UnicodeError is a ValueError
+            if isinstance(exc, BackendError) and exc.transient:
+                raise
+            (on_skip or _log_skip)(name, exc)
+    return found, len(names)
+
+
+def _log_skip(name: str, exc: Exception) -> None:
+    logger.warning("skipped semaphore %r: %s", name, exc)
 
 
 def state_to_dict(state: SemaphoreState) -> dict[str, Any]:
@@ -150,19 +205,23 @@ def purge(client: RedisClient, *, prefix: str = DEFAULT_PREFIX, pattern: str = "
     so this is for clearing a test server or state left by a bug, not for normal operation.
     Keys are deleted per semaphore, each group in one hash slot (safe on Redis Cluster).
     """
-    prefix = validate_prefix(prefix)
-    groups: dict[str, list[str]] = {}
-    for key in _scan(client, f"{prefix}:{{{pattern}}}:*"):
-        name = SemaphoreKeys.name_from_key(prefix, key)
-        if name is not None:
-            groups.setdefault(name, []).append(key)
+    groups: dict[str, set[str]] = {}
+    wake_lists: list[tuple[str, str]] = []
+    for name, key, fixed in _scan_names(client, prefix, pattern, every_key=True):
+        if fixed:
+            groups.setdefault(name, set()).add(key)
+        else:  # a glob's ``*`` can match across a permit id's ``}``: only with its semaphore
+            wake_lists.append((name, key))
+    for name, key in wake_lists:
+        if name in groups:
+            groups[name].add(key)
     purged = 0
     try:
         for name, keys in sorted(groups.items()):
             # Every named key, not only those SCAN returned: a waiting line must never outlive
             # its holders hash (tickets would restart), and SCAN may miss keys added meanwhile.
-            named = set(SemaphoreKeys(prefix, name).all)
-            deleted = int(client.delete(*sorted(named.union(keys))))
+            named = keys.union(SemaphoreKeys(prefix, name).all)
+            deleted = int(client.delete(*sorted(_raw(key) for key in named)))
             if deleted:
                 purged += 1
                 logger.warning("purge: deleted %d keys of semaphore %r", deleted, name)

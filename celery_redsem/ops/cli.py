@@ -2,13 +2,16 @@
 
 Installed through the ``celery.commands`` entry point, so it runs with your app's settings::
 
-    celery -A proj redsem status 'market:*'
+    celery -A proj redsem status --pattern 'market:*'
     celery -A proj redsem inspect market:42
     celery -A proj redsem release market:42 <task id>
     celery -A proj redsem purge --yes
 
 Every command takes ``--json`` for scripts. The Redis URL and key prefix come from the app's
-``redsem_*`` settings unless ``--url`` / ``--prefix`` are given.
+``redsem_*`` settings unless ``--url`` / ``--prefix`` are given. A NAME is always a name
+(``t:[ab]`` is the semaphore of that name); a glob is given with ``--pattern``. Names and ids
+are printed escaped when they hold control characters, and a semaphore that cannot be read is
+skipped with a warning on standard error instead of failing the listing.
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ from typing import Any, NoReturn
 import click
 
 from celery_redsem.core.client import RedisClient
-from celery_redsem.core.clients import client_from_url, redact_url
+from celery_redsem.core.clients import client_from_url
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, RedsemError
 from celery_redsem.core.keys import SemaphoreKeys, validate_prefix
 from celery_redsem.core.permits import SemaphoreState
+from celery_redsem.core.redaction import redact_url, scrub
 from celery_redsem.core.state import read_state
-from celery_redsem.ops.admin import force_release, purge, state_to_dict, states
+from celery_redsem.ops.admin import (
+    OnSkip,
+    force_release,
+    glob_escape,
+    purge,
+    state_to_dict,
+    states,
+)
 
 __all__ = ["redsem"]
 
@@ -70,7 +81,7 @@ def _target(ctx: click.Context) -> _Target:
             url = config.require_redis_url()
             client = get_client(app)
     except RedsemError as exc:
-        _fail(str(exc))
+        _fail(scrub(str(exc), options.get("url")))
     target = _Target(client, prefix, config.idle_ttl, redact_url(url))
     root.meta["redsem.target"] = target
     return target
@@ -81,6 +92,12 @@ def _style(ctx: click.Context, text: str, **kwargs: Any) -> str:
     if obj is not None and getattr(obj, "no_color", False):
         return text
     return click.style(text, **kwargs)
+
+
+def _shown(text: str) -> str:
+    """``text`` as it is if printable, else quoted with escapes: a stored id or name with a
+    newline or a terminal escape cannot fake or hide lines of the output."""
+    return text if text.isprintable() else ascii(text)
 
 
 def _seconds(ms: int) -> str:
@@ -96,7 +113,7 @@ def _summary_line(ctx: click.Context, state: SemaphoreState) -> str:
     held = f"{len(state.holders)}/{limit}"
     full = state.limit is not None and len(state.holders) >= state.limit
     return (
-        f"{_style(ctx, state.name, bold=True)}  limit {limit}  "
+        f"{_style(ctx, _shown(state.name), bold=True)}  limit {limit}  "
         f"held {_style(ctx, held, fg='yellow' if full else 'green')}  "
         f"waiting {len(state.waiters)}  last token {state.last_token or '-'}"
     )
@@ -104,14 +121,15 @@ def _summary_line(ctx: click.Context, state: SemaphoreState) -> str:
 
 def _holder_lines(state: SemaphoreState) -> list[str]:
     return [
-        f"  holder  {h.permit_id}  token {h.token}  lease {_seconds(h.remaining_ms)} left"
+        f"  holder  {_shown(h.permit_id)}  token {h.token}  lease {_seconds(h.remaining_ms)} left"
         for h in state.holders
     ]
 
 
 def _waiter_lines(state: SemaphoreState) -> list[str]:
     return [
-        f"  waiter  #{n}  {w.permit_id}  ticket {w.ticket}  place kept {_seconds(w.remaining_ms)}"
+        f"  waiter  #{n}  {_shown(w.permit_id)}  ticket {w.ticket}  "
+        f"place kept {_seconds(w.remaining_ms)}"
         for n, w in enumerate(state.waiters, start=1)
     ]
 
@@ -141,8 +159,45 @@ def redsem(ctx: click.Context, url: str | None, prefix: str | None) -> None:
     ctx.find_root().meta["redsem.options"] = {"url": url, "prefix": prefix}
 
 
+def _selection(name: str | None, pattern: str | None) -> str:
+    """The SCAN glob for NAME (matched exactly) or ``--pattern``; every semaphore if neither."""
+    if name is not None and pattern is not None:
+        raise click.UsageError("give a NAME or --pattern, not both")
+    if name is not None:
+        return glob_escape(name)
+    return "*" if pattern is None else pattern
+
+
+def _none_found(target: _Target, name: str | None, pattern: str) -> str:
+    if name is None:
+        return f"No semaphore under prefix {target.prefix!r} matches {pattern!r}."
+    hint = ""
+    if glob_escape(name) != name:
+        hint = f" (NAME is a name, not a glob; to match a pattern use --pattern {name!r})"
+    return f"No semaphore {name!r} under prefix {target.prefix!r}{hint}."
+
+
+def _skipped_list(found: list[dict[str, str]]) -> OnSkip:
+    """An ``on_skip`` for :func:`states` that warns on standard error and records the skip."""
+
+    def on_skip(name: str, exc: Exception) -> None:
+        found.append({"name": name, "error": str(exc)})
+        click.echo(f"Warning: skipped semaphore {_shown(name)}: {exc}", err=True)
+
+    return on_skip
+
+
+_pattern_option = click.option(
+    "--pattern",
+    "-p",
+    metavar="GLOB",
+    help="Select the semaphores whose name matches GLOB (Redis glob syntax) instead of one NAME.",
+)
+
+
 @redsem.command()
-@click.argument("pattern", default="*")
+@click.argument("name", required=False)
+@_pattern_option
 @click.option(
     "--max",
     "max_count",
@@ -153,35 +208,49 @@ def redsem(ctx: click.Context, url: str | None, prefix: str | None) -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
-def status(ctx: click.Context, pattern: str, max_count: int, as_json: bool) -> None:
-    """Every semaphore whose name matches PATTERN (a glob, default all).
+def status(
+    ctx: click.Context, name: str | None, pattern: str | None, max_count: int, as_json: bool
+) -> None:
+    """The semaphore NAME, those whose name matches --pattern, or (neither) every semaphore.
 
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
     order they will be served, and the last fencing token granted. Found with SCAN, never KEYS.
+    A semaphore that cannot be read is skipped with a warning; the others are listed.
     """
+    glob = _selection(name, pattern)
     target = _target(ctx)
+    skipped: list[dict[str, str]] = []
     found, total = _run(
-        lambda: states(target.client, prefix=target.prefix, pattern=pattern, max_count=max_count)
+        lambda: states(
+            target.client,
+            prefix=target.prefix,
+            pattern=glob,
+            max_count=max_count,
+            on_skip=_skipped_list(skipped),
+        )
     )
     if as_json:
         _print_json(
             {
                 "prefix": target.prefix,
-                "pattern": pattern,
+                "name": name,
+                "pattern": glob,
                 "total": total,
                 "semaphores": [state_to_dict(s) for s in found],
+                "skipped": skipped,
             }
         )
         return
-    if not found:
-        click.echo(f"No semaphore under prefix {target.prefix!r} matches {pattern!r}.")
+    if not total:
+        click.echo(_none_found(target, name, glob))
         return
     for state in found:
         click.echo(_summary_line(ctx, state))
         for line in _holder_lines(state) + _waiter_lines(state):
             click.echo(line)
-    if total > len(found):
-        click.echo(f"... and {total - len(found)} more; narrow PATTERN or raise --max.")
+    more = total - len(found) - len(skipped)
+    if more > 0:
+        click.echo(f"... and {more} more; narrow the selection or raise --max.")
 
 
 @redsem.command()
@@ -255,34 +324,45 @@ def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> Non
 
 
 @redsem.command(name="purge")
-@click.argument("pattern", default="*")
+@click.argument("name", required=False)
+@_pattern_option
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
-def purge_command(ctx: click.Context, pattern: str, yes: bool, as_json: bool) -> None:
-    """Delete every key of the semaphores whose name matches PATTERN (default all).
+def purge_command(
+    ctx: click.Context, name: str | None, pattern: str | None, yes: bool, as_json: bool
+) -> None:
+    """Delete every key of the semaphore NAME, of those matching --pattern, or (neither) of all.
 
     Asks first, showing how many semaphores and live holders would go. Running holders lose
-    their permits. Found with SCAN, never KEYS.
+    their permits. Found with SCAN, never KEYS. A semaphore whose state cannot be read is
+    purged too (its holders are not counted).
     """
+    glob = _selection(name, pattern)
     target = _target(ctx)
-    found, total = _run(lambda: states(target.client, prefix=target.prefix, pattern=pattern))
+    found, total = _run(
+        lambda: states(target.client, prefix=target.prefix, pattern=glob, on_skip=_skipped_list([]))
+    )
     holders = sum(len(s.holders) for s in found)
+    result = {"prefix": target.prefix, "name": name, "pattern": glob, "purged": 0}
     if not total:
         if as_json:
-            _print_json({"prefix": target.prefix, "pattern": pattern, "purged": 0})
+            _print_json(result)
         else:
-            click.echo(f"No semaphore under prefix {target.prefix!r} matches {pattern!r}.")
+            click.echo(_none_found(target, name, glob))
         return
     if not yes:
+        what = (
+            f"semaphore {name!r}" if name is not None else f"{total} semaphore(s) matching {glob!r}"
+        )
         click.confirm(
-            f"Delete all keys of {total} semaphore(s) under prefix {target.prefix!r} matching "
-            f"{pattern!r} on {target.url}, taking {holders} live permit(s) away?",
+            f"Delete all keys of {what} under prefix {target.prefix!r} on {target.url}, "
+            f"taking {holders} live permit(s) away?",
             abort=True,
             err=True,
         )
-    purged = _run(lambda: purge(target.client, prefix=target.prefix, pattern=pattern))
+    result["purged"] = _run(lambda: purge(target.client, prefix=target.prefix, pattern=glob))
     if as_json:
-        _print_json({"prefix": target.prefix, "pattern": pattern, "purged": purged})
+        _print_json(result)
     else:
-        click.echo(f"Purged {purged} semaphore(s).")
+        click.echo(f"Purged {result['purged']} semaphore(s).")
