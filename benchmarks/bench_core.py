@@ -34,6 +34,10 @@ with the fast clock (0.5 is fair). redis-py's Lock runs with limit 1 (it is a lo
 ``FairSemaphore`` appears twice: waiting in its FIFO line (``acquire(blocking=True)``), and
 with the same try + random sub-millisecond backoff loop the seed semaphores use.
 
+**Worst refresh call** (:mod:`benchmarks.refresh_stall`; ``--refresh-permits``, default 10,000):
+the server time of the longest single refresh script call (from ``SLOWLOG``) when one process
+refreshes that many permits at once, all in one call (as before chunking) and chunked.
+
 If FairSemaphore misses the target against either floor, a breakdown follows: both floors,
 FairSemaphore's own commands (recorded) replayed over a kept connection with trivial scripts in
 place of the real ones (the cost of its keys and arguments), and FairSemaphore itself; each with
@@ -58,6 +62,7 @@ from typing import Any, Protocol
 import redis
 
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
+from benchmarks.refresh_stall import print_stall, run_refresh_stall
 from benchmarks.seed_semaphores import BasicSemaphore, CounterFairSemaphore, LockedFairSemaphore
 from celery_redsem import FairSemaphore, Permit
 
@@ -689,6 +694,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="print where FairSemaphore's time goes (auto: if it misses a floor target)",
     )
     parser.add_argument("--no-contention", action="store_true", help="idle throughput only")
+    parser.add_argument(
+        "--refresh-permits",
+        type=int,
+        default=10_000,
+        help="permits refreshed at once for the worst refresh call (0: skip; default 10000)",
+    )
     return parser.parse_args(argv)
 
 
@@ -743,6 +754,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             missed = min(vs_floor, vs_held) < FLOOR_TARGET
             if args.breakdown == "always" or (args.breakdown == "auto" and missed):
                 run_breakdown(client, server.url, prefix, max(3, args.rounds // 2), args.slice)
+            if args.refresh_permits > 0:
+                stall = run_refresh_stall(client, prefix, args.refresh_permits)
+                print_stall(stall, args.refresh_permits)
         finally:
             deleted = delete_prefix(client, prefix)
             client.close()

@@ -1,8 +1,20 @@
-"""What every part of the core shares about a redis-py client: its type and its timeouts."""
+"""What every part of the core shares about a redis-py client: its type and its timeouts.
+
+A blocking command (BLPOP, WAIT) that times out is answered on the server's next timer tick,
+up to ``1 / hz`` seconds late (100 ms at the default ``hz 10``), and the reply must still
+arrive before the client's socket timeout. :func:`blocking_wait_cap` leaves that margin: at
+least :data:`MIN_BLOCKING_MARGIN`, and one tick (read once per client from ``INFO server``)
+plus :data:`TICK_SLACK`. Where nothing is left it is 0: do not block at all, poll
+(:func:`pop_within` does).
+"""
 
 from __future__ import annotations
 
 import math
+import threading
+import time
+import weakref
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
@@ -13,8 +25,13 @@ __all__ = [
     "DEFAULT_IDLE_TTL",
     "DEFAULT_LEASE",
     "DEFAULT_REPLICA_TIMEOUT",
+    "MIN_BLOCKING_MARGIN",
+    "POLL_INTERVAL",
+    "TICK_SLACK",
     "RedisClient",
     "blocking_wait_cap",
+    "pop_within",
+    "server_tick",
     "socket_timeout",
     "to_ms",
     "validate_client",
@@ -29,6 +46,15 @@ DEFAULT_LEASE = 10.0
 DEFAULT_IDLE_TTL = 60.0
 #: Seconds a grant waits for replica acknowledgements (``min_replicas``).
 DEFAULT_REPLICA_TIMEOUT = 0.5
+#: Seconds a blocking command's wait always stays below the socket timeout.
+MIN_BLOCKING_MARGIN = 0.25
+#: Seconds allowed, beyond one server tick, for the reply of a timed-out blocking command to
+#: reach the client (scheduling on a busy host, the network).
+TICK_SLACK = 0.15
+#: The server's tick when it cannot be read (``hz 10``, the default).
+DEFAULT_TICK = 0.1
+#: Seconds between non-blocking looks when no blocking wait fits in the socket timeout.
+POLL_INTERVAL = 0.05
 
 
 def to_ms(seconds: float) -> int:
@@ -57,10 +83,58 @@ def socket_timeout(client: RedisClient) -> float | None:
     return float(value) if value else None
 
 
+_ticks: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+_ticks_lock = threading.Lock()
+
+
+def server_tick(client: RedisClient) -> float:
+    """Seconds between the server's timer ticks (``1 / configured_hz``), read with ``INFO
+    server`` on first use and remembered for ``client``; :data:`DEFAULT_TICK` if the server
+    does not tell (or refuses ``INFO``). Not remembered after a connection error."""
+    with _ticks_lock:
+        tick = _ticks.get(client)
+    if tick is not None:
+        return tick
+    try:
+        info = client.info("server")
+    except (redis.ConnectionError, redis.TimeoutError):
+        return DEFAULT_TICK
+    except redis.RedisError:  # refused (ACL): the default, from now on
+        info = {}
+    if isinstance(client, RedisCluster) and info and "hz" not in info:
+        info = next(iter(info.values()), {})  # per node; they share a configuration
+    try:
+        hz = float(info.get("configured_hz") or info.get("hz") or 0)
+    except (TypeError, ValueError):
+        hz = 0.0
+    tick = 1 / hz if hz > 0 else DEFAULT_TICK
+    with _ticks_lock:
+        _ticks[client] = tick
+    return tick
+
+
 def blocking_wait_cap(client: RedisClient) -> float:
-    """Seconds a blocking command (BLPOP) may wait on ``client`` without hitting its socket
-    timeout: the timeout less a margin (``inf`` if it has none)."""
+    """Seconds a blocking command (BLPOP, WAIT) may wait on ``client`` and still be answered
+    before its socket timeout: the timeout less ``max(MIN_BLOCKING_MARGIN, tick + TICK_SLACK)``
+    (``inf`` without a socket timeout). **0.0 means: do not block** (``BLPOP`` with timeout 0
+    would wait forever); see :func:`pop_within`."""
     timeout = socket_timeout(client)
     if timeout is None:
         return math.inf
-    return max(0.01, timeout - max(0.1, 0.2 * timeout))
+    margin = max(MIN_BLOCKING_MARGIN, server_tick(client) + TICK_SLACK)
+    cap = timeout - margin
+    return cap if cap >= 0.01 else 0.0
+
+
+def pop_within(client: RedisClient, key: str, seconds: float) -> Any:
+    """Pop the first element of list ``key``, waiting at most ``seconds`` for one: ``BLPOP``
+    capped by :func:`blocking_wait_cap`, or where no blocking wait fits, one ``LPOP`` and a
+    local sleep of up to :data:`POLL_INTERVAL`. The element, or None. Redis errors propagate."""
+    cap = blocking_wait_cap(client)
+    if cap > 0:
+        reply = client.blpop([key], timeout=max(0.001, min(seconds, cap)))
+        return None if reply is None else reply[1]
+    value = client.lpop(key)
+    if value is None and seconds > 0:
+        time.sleep(min(seconds, POLL_INTERVAL))
+    return value

@@ -1,17 +1,25 @@
-"""Keeping held permits alive: one daemon thread per process.
+"""Keeping held permits alive: one scheduling thread per process, and refresher threads.
 
 A running task's permit is tracked as a :class:`HeldPermit`. The :class:`Heartbeat` thread
-refreshes each one a third of a lease after it was last confirmed, batching every permit that
-is due (or nearly due) into one :func:`~celery_redsem.refresh_permits` call per client.
+finds each one due a third of a lease after it was last confirmed, and batches every permit
+that is due (or nearly due) into one :func:`~celery_redsem.refresh_permits` call per client.
+
+* **One client cannot hold up another.** The scheduling thread never calls Redis itself: it
+  hands each client's calls to a small pool of refresher threads (at most
+  :data:`MAX_REFRESHERS`, started on demand, ending when idle), with at most one call under
+  way per client. A client stuck on a hung or black-holed server ties up one refresher; the
+  permits on other clients go on being refreshed on time.
 
 * **Stop before release.** :meth:`Heartbeat.untrack` comes before the release; a refresh that
   was in flight and reports the permit gone is then ignored, not reported as lost.
 * **Errors are not loss.** When Redis cannot be reached the thread retries with a short
   backoff; it declares a permit lost only when a full lease has passed since the last
   confirmed refresh (measured from before that call was sent), i.e. when the lease really
-  could have expired. A refresh that answers "not held" is a loss at once.
+  could have expired. A refresh that answers "not held" is a loss at once. The scheduling
+  thread keeps that clock itself: a permit whose refresh call has not returned a lease after
+  its last confirmation is declared lost then, not when (or if) the call returns.
 * **Fork-safe.** A forked child starts with no heartbeat and no tracked permits; it makes its
-  own thread on its first permit.
+  own threads on its first permit.
 
 On a loss the permit's ``lost_lease_policy`` applies: ``"log"`` logs an error; ``"raise"``
 also raises :class:`LeaseInterrupt` (a :class:`~celery_redsem.PermitLost`) asynchronously in
@@ -30,7 +38,9 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
@@ -38,12 +48,16 @@ from celery_redsem.core.errors import REDIS_ERRORS, BackendError, PermitLost
 from celery_redsem.core.permits import Permit
 from celery_redsem.core.refresh import refresh_permits
 
-__all__ = ["Heartbeat", "HeldPermit", "LeaseInterrupt", "get_heartbeat"]
+__all__ = ["MAX_REFRESHERS", "Heartbeat", "HeldPermit", "LeaseInterrupt", "get_heartbeat"]
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT = 30.0
 _FIRST_RETRY = 0.05
+#: The most refresher threads a heartbeat runs: up to this many clients can hang at once
+#: before a healthy one has to wait for a thread.
+MAX_REFRESHERS = 8
+_REFRESHER_IDLE = 10.0  # seconds an idle refresher thread waits for work before it ends
 
 
 class LeaseInterrupt(PermitLost):
@@ -172,7 +186,11 @@ class HeldPermit:
             self._failures += 1
             delay = min(_FIRST_RETRY * 2 ** (self._failures - 1), self._permit.lease / 6)
             self._next_due = now + delay
-            return now >= self._confirmed_at + self._permit.lease
+            return now >= self._deadline()
+
+    def _deadline(self) -> float:
+        """When the lease could have run out: a lease after the last confirmation (clock)."""
+        return self._confirmed_at + self._permit.lease
 
     def lost_at_release(self) -> bool:
         """The release (after :meth:`Heartbeat.untrack`) found the permit no longer held: flag
@@ -201,7 +219,8 @@ class HeldPermit:
 
 
 class Heartbeat:
-    """Refreshes every tracked :class:`HeldPermit` of this process from one daemon thread."""
+    """Refreshes every tracked :class:`HeldPermit` of this process: a daemon thread finds what
+    is due and hands each client's refresh to a refresher thread."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -213,6 +232,9 @@ class Heartbeat:
         #: When the thread will next look (clock time); infinity while it is awake, so that a
         #: permit tracked while it works (perhaps after it last looked) always wakes it.
         self._wake_at = math.inf
+        #: Clients (by id) with a refresh call handed out and not yet returned.
+        self._in_flight: set[int] = set()
+        self._refreshers = _Refreshers(MAX_REFRESHERS)
 
     def track(self, held: HeldPermit) -> HeldPermit:
         """Start refreshing ``held`` (and start the thread if needed)."""
@@ -248,33 +270,53 @@ class Heartbeat:
             return list(self._held)
 
     def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop the thread (it restarts on the next :meth:`track`)."""
+        """Stop the thread (it restarts on the next :meth:`track`); idle refreshers end."""
         with self._lock:
             self._stopping = True
             thread = self._thread
         self._wake.set()
+        self._refreshers.end_idle()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
     def beat(self) -> float:
-        """Refresh what is due; return the seconds until the next refresh is due."""
+        """Hand out the refreshes that are due, declare lost the permits whose refresh has not
+        answered for a lease; return the seconds until the next thing to do."""
         now = self._clock()
         with self._lock:
             held = list(self._held)
+            busy = set(self._in_flight)
         if not held:
             return _IDLE_WAIT
         slack = min(h.permit.lease for h in held) / 6
-        groups: dict[tuple[int, float], list[HeldPermit]] = {}
+        due: dict[int, dict[float, list[HeldPermit]]] = {}
         for h in held:
-            if h._next_due <= now + slack:
-                groups.setdefault((id(h.client), h.idle_ttl), []).append(h)
-        for group in groups.values():
-            self._refresh(group)
+            if id(h.client) in busy:
+                if now >= h._deadline():
+                    self._lose(h, "no refresh answered for a whole lease (a call is still out)")
+            elif h._next_due <= now + slack:
+                due.setdefault(id(h.client), {}).setdefault(h.idle_ttl, []).append(h)
+        for client_id, groups in due.items():
+            with self._lock:
+                self._in_flight.add(client_id)
+            self._refreshers.submit(partial(self._refresh_client, client_id, list(groups.values())))
         with self._lock:
             held = list(self._held)
+            busy = set(self._in_flight)
         if not held:
             return _IDLE_WAIT
-        return max(0.0, min(h._next_due for h in held) - self._clock())
+        next_at = min(h._deadline() if id(h.client) in busy else h._next_due for h in held)
+        return max(0.0, next_at - self._clock())
+
+    def _refresh_client(self, client_id: int, groups: list[list[HeldPermit]]) -> None:
+        """Refresher thread: refresh one client's due groups, then wake the scheduler."""
+        try:
+            for group in groups:
+                self._refresh(group)
+        finally:
+            with self._lock:
+                self._in_flight.discard(client_id)
+            self._wake.set()
 
     def _refresh(self, group: list[HeldPermit]) -> None:
         sent_at = self._clock()
@@ -290,7 +332,7 @@ class Heartbeat:
             by_key[(permit.id, permit.name, permit.prefix)]._confirm(permit, sent_at)
         for permit in result.lost:
             self._lose(by_key[(permit.id, permit.name, permit.prefix)], "expired or released")
-        if result.failed:  # some cluster nodes did not answer: only their permits wait
+        if result.failed:  # some calls failed (a cluster node, an error reply): theirs wait
             unanswered = [by_key[(p.id, p.name, p.prefix)] for p in result.failed]
             self._unconfirmed(unanswered, result.error)
 
@@ -320,6 +362,56 @@ def _log_loss(held: HeldPermit, why: str) -> None:
         held.token,
         why,
     )
+
+
+class _Refreshers:
+    """Daemon threads that run refresh calls: at most ``limit``, started when a call finds
+    none idle, each ending after :data:`_REFRESHER_IDLE` seconds without work."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._cond = threading.Condition(threading.Lock())
+        self._jobs: deque[Callable[[], None]] = deque()
+        self._threads = 0
+        self._idle = 0
+        self._ending = False
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on an idle thread, a new one, or (all ``limit`` busy) the next free."""
+        with self._cond:
+            self._ending = False
+            self._jobs.append(job)
+            if self._idle >= len(self._jobs):
+                self._cond.notify()
+            elif self._threads < self._limit:
+                self._threads += 1
+                threading.Thread(target=self._serve, name="redsem-refresh", daemon=True).start()
+
+    def end_idle(self) -> None:
+        """Let the idle threads end now."""
+        with self._cond:
+            self._ending = True
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+                deadline = time.monotonic() + _REFRESHER_IDLE
+                while not self._jobs:
+                    left = deadline - time.monotonic()
+                    if self._ending or left <= 0:
+                        self._idle -= 1
+                        self._threads -= 1
+                        return
+                    self._cond.wait(left)
+                self._idle -= 1
+                job = self._jobs.popleft()
+            try:
+                job()
+            except Exception:  # the thread must survive anything; the next beat retries
+                logger.exception("celery_redsem: refreshing permits failed")
+            del job
 
 
 def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from redis.exceptions import NoScriptError
 
@@ -23,6 +23,7 @@ from celery_redsem.core.client import (
     DEFAULT_REPLICA_TIMEOUT,
     RedisClient,
     blocking_wait_cap,
+    pop_within,
     socket_timeout,
     to_ms,
     validate_client,
@@ -51,9 +52,12 @@ from celery_redsem.core.scripts import (
     script_keys,
 )
 from celery_redsem.core.state import read_state
-from celery_redsem.core.validation import LIMIT, SECONDS, count_rule
+from celery_redsem.core.validation import LIMIT, SECONDS, SECONDS_OR_ZERO, count_rule
 
-__all__ = ["FairSemaphore", "Lock"]
+if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
+    from typing_extensions import Unpack
+
+__all__ = ["FairSemaphore", "Lock", "SemaphoreOptions"]
 
 _REPLICAS = count_rule(minimum=0)
 
@@ -61,18 +65,21 @@ RENEWED = ":renewed"  # acquire.lua marks a renewal with this suffix when asked 
 
 
 def _back_in(back_in: object, waiter_lease: float) -> float:
-    if isinstance(back_in, bool) or not isinstance(back_in, int | float):
-        raise ConfigurationError(f"back_in must be a number of seconds, got {back_in!r}")
-    if not math.isfinite(back_in) or back_in < 0:
+    """``back_in`` in seconds if it is a duration (validation.py's rule) shorter than the
+    waiter lease, else a ConfigurationError."""
+    seconds: float = SECONDS_OR_ZERO.check(back_in, "back_in")
+    if seconds >= waiter_lease:
         raise ConfigurationError(
-            f"back_in must be a finite number of seconds >= 0, got {back_in!r}"
-        )
-    if back_in >= waiter_lease:
-        raise ConfigurationError(
-            f"back_in ({back_in}s) must be shorter than the waiter lease ({waiter_lease}s), "
+            f"back_in ({seconds}s) must be shorter than the waiter lease ({waiter_lease}s), "
             "or the place in line lapses before the waiter is back"
         )
-    return float(back_in)
+    return seconds
+
+
+def _naming(exc: BackendError, permit_id: str) -> None:
+    """Have ``exc`` carry ``permit_id`` if it names none yet."""
+    if exc.permit_id is None:
+        exc.permit_id = permit_id
 
 
 def _validate_permit_id(permit_id: object) -> str:
@@ -108,6 +115,11 @@ class FairSemaphore:
             replicas connected. 0 (the default) skips ``WAIT``. Not consensus: see the docs.
         replica_timeout: seconds ``WAIT`` may block for the acknowledgements (keep it below
             the client's ``socket_timeout``).
+
+    Bounds: every duration (here and ``attempt``'s ``waiter_lease`` and ``back_in``) is at most
+    a year, :data:`~celery_redsem.core.validation.MAX_SECONDS`, and ``limit`` at most
+    :data:`~celery_redsem.core.validation.MAX_COUNT` (a billion); larger values raise
+    :class:`ConfigurationError` before anything is sent to Redis.
     """
 
     def __init__(
@@ -180,23 +192,31 @@ class FairSemaphore:
         Until then its place does not hold a free permit for it: a permit nobody due can use
         goes to whoever is present, in line order. From then on, until it comes back or its
         waiter lease ends, its place does hold one. It must be shorter than the waiter lease.
+
+        A :class:`BackendError` carries the permit id (``exc.permit_id``, drawn before sending
+        when none was given): the request may have been granted with its reply lost, and
+        releasing that id frees the permit.
         """
         pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
-        if waiter_lease is not None or back_in:
-            lease = self.waiter_lease if waiter_lease is None else waiter_lease
-            settings = self._settings(
-                SECONDS.check(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
-            )
-        else:
-            settings = self._settings_join if join_line else self._settings_try
-        if self.min_replicas:
-            return self._attempt_acknowledged(pid, [settings + pid])
-        # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two calls);
-        # _retry handles NOSCRIPT and errors.
         try:
-            reply = self._execute("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, settings + pid)
-        except REDIS_ERRORS as exc:
-            reply = self._retry(ACQUIRE, exc, settings + pid)
+            if waiter_lease is not None or back_in:
+                lease = self.waiter_lease if waiter_lease is None else waiter_lease
+                settings = self._settings(
+                    SECONDS.check(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
+                )
+            else:
+                settings = self._settings_join if join_line else self._settings_try
+            if self.min_replicas:
+                return self._attempt_acknowledged(pid, [settings + pid])
+            # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two
+            # calls); _retry handles NOSCRIPT and errors.
+            try:
+                reply = self._execute("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, settings + pid)
+            except REDIS_ERRORS as exc:
+                reply = self._retry(ACQUIRE, exc, settings + pid)
+        except BackendError as exc:
+            _naming(exc, pid)
+            raise
         return self._result(pid, reply)
 
     def _retry(self, script: LuaScript, exc: BaseException, *args: Any) -> Any:
@@ -284,7 +304,8 @@ class FairSemaphore:
         Non-blocking (the default) tries once and does not join the line. Blocking waits in the
         FIFO line, sleeping on a wake-up list that a release pushes to (bounded by the waiter
         lease, so a crashed holder's expiry is noticed too), for at most ``timeout`` seconds
-        (``None``: no limit). A blocking caller that gives up leaves the line.
+        (``None``: no limit). A blocking caller that gives up leaves the line. A
+        :class:`BackendError` carries the permit id, as in :meth:`attempt`.
         """
         if not blocking:
             if timeout is not None:
@@ -300,16 +321,19 @@ class FairSemaphore:
                 )
         pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
         deadline = None if timeout is None else self._clock() + timeout
-        poll_cap = self._poll_cap()
-        while True:
-            result = self.attempt(pid, join_line=True)
-            if isinstance(result, Permit):
-                return result
-            remaining = math.inf if deadline is None else deadline - self._clock()
-            if remaining <= 0:
-                self.release(pid)
-                return None
-            self._wait_for_wake(pid, min(remaining, self.waiter_lease / 3, poll_cap))
+        try:
+            while True:
+                result = self.attempt(pid, join_line=True)
+                if isinstance(result, Permit):
+                    return result
+                remaining = math.inf if deadline is None else deadline - self._clock()
+                if remaining <= 0:
+                    self.release(pid)
+                    return None
+                self._wait_for_wake(pid, min(remaining, self.waiter_lease / 3))
+        except BackendError as exc:
+            _naming(exc, pid)
+            raise
 
     @contextmanager
     def hold(
@@ -327,8 +351,17 @@ class FairSemaphore:
         took or swept it, or an operator released it), leaving the block raises
         :class:`PermitLost`, unless the block is already raising. (A lease that ran out with
         nobody asking since is still given back, without an error.)
+
+        If acquiring raises :class:`BackendError`, the permit id it carries is released (best
+        effort) before the error propagates: a grant whose reply was lost is not kept a lease.
         """
-        permit = self.acquire(blocking=True, timeout=timeout, permit_id=permit_id)
+        try:
+            permit = self.acquire(blocking=True, timeout=timeout, permit_id=permit_id)
+        except BackendError as exc:
+            if exc.permit_id is not None:
+                with suppress(BackendError):
+                    self.release(exc.permit_id)
+            raise
         if permit is None:
             raise AcquireTimeout(
                 f"no permit of {self.name!r} (limit {self.limit}) within {timeout}s",
@@ -357,16 +390,15 @@ class FairSemaphore:
         held = HeldPermit(permit, self.client, idle_ttl=self.idle_ttl, task_name=repr(self))
         return heartbeat, heartbeat.track(held)
 
-    def _poll_cap(self) -> float:
-        """The longest wake-up wait (BLPOP) that stays clear of the client's socket timeout."""
-        return blocking_wait_cap(self.client)
-
     def _wait_for_wake(self, permit_id: str, seconds: float) -> None:
+        """Wait up to ``seconds`` for a release's wake-up, clear of the socket timeout."""
         try:
-            self.client.blpop([self.keys.wake(permit_id)], timeout=max(seconds, 0.001))
+            pop_within(self.client, self.keys.wake(permit_id), seconds)
         except REDIS_ERRORS as exc:
             raise BackendError(
-                f"Redis failed while waiting for {self.name!r}: {exc}", name=self.name
+                f"Redis failed while waiting for {self.name!r}: {exc}",
+                name=self.name,
+                permit_id=permit_id,
             ) from exc
 
     # -- keeping and giving back ---------------------------------------------------------------
@@ -424,31 +456,24 @@ class FairSemaphore:
         return self.state().waiters
 
 
-class Lock(FairSemaphore):
-    """A fair, fenced, leased mutual-exclusion lock: a :class:`FairSemaphore` with limit 1."""
+class SemaphoreOptions(TypedDict, total=False):
+    """:class:`FairSemaphore`'s keyword options, for :class:`Lock` to take as they are (their
+    defaults and meaning are FairSemaphore's; a test keeps the two lists equal)."""
 
-    def __init__(
-        self,
-        client: RedisClient,
-        name: str,
-        *,
-        lease: float = DEFAULT_LEASE,
-        waiter_lease: float | None = None,
-        idle_ttl: float = DEFAULT_IDLE_TTL,
-        prefix: str = DEFAULT_PREFIX,
-        clock: Callable[[], float] = time.monotonic,
-        min_replicas: int = 0,
-        replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            client,
-            name,
-            1,
-            lease=lease,
-            waiter_lease=waiter_lease,
-            idle_ttl=idle_ttl,
-            prefix=prefix,
-            clock=clock,
-            min_replicas=min_replicas,
-            replica_timeout=replica_timeout,
-        )
+    lease: float
+    waiter_lease: float | None
+    idle_ttl: float
+    prefix: str
+    clock: Callable[[], float]
+    min_replicas: int
+    replica_timeout: float
+
+
+class Lock(FairSemaphore):
+    """A fair, fenced, leased mutual-exclusion lock: a :class:`FairSemaphore` with limit 1.
+
+    Takes ``client``, ``name`` and FairSemaphore's keyword options (:class:`SemaphoreOptions`).
+    """
+
+    def __init__(self, client: RedisClient, name: str, **options: Unpack[SemaphoreOptions]) -> None:
+        super().__init__(client, name, 1, **options)

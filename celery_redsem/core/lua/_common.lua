@@ -31,6 +31,12 @@
 -- holders are swept only when the semaphore is full and ':next' says one may have expired,
 -- and the TTL is pushed only when ':horizon' comes within half an idle TTL.
 
+-- The largest settings a script takes: a year of milliseconds (validation.py's MAX_SECONDS)
+-- and a billion permits (MAX_COUNT). Python refuses larger ones; the scripts refuse them too,
+-- before they write anything: sums beyond what the server's clock arithmetic holds exactly
+-- would fail a call half way (PEXPIREAT out of range) and leave a hash with no TTL behind.
+local MAX_MS, MAX_COUNT = 31536000000, 1000000000
+
 -- Server time as (milliseconds, microseconds).
 local function server_now()
   local t = redis.call('TIME')
@@ -49,9 +55,13 @@ local function helpers()
   local SWEEP_BATCH, SWEEP_ROUNDS = 1000, 10
   local SWEEP_MOST = SWEEP_ROUNDS * SWEEP_BATCH -- places one sweep looks at, at most
 
-  -- A holder entry '<token>:<expiry>' as two numbers.
+  -- A holder entry '<token>:<expiry>' as two numbers; one that is not (written by hand, or by
+  -- a version whose scripts could store an overflowed expiry) counts as expired: (0, 0).
   function h.parse(entry)
     local token, expiry = string.match(entry, '^(%d+):(%d+)$')
+    if not expiry then
+      return 0, 0
+    end
     return tonumber(token), tonumber(expiry)
   end
 
@@ -136,6 +146,18 @@ local function helpers()
   -- The wake-up list of a waiter.
   function h.wake_key(holders, id)
     return string.sub(holders, 1, #holders - 7) .. 'wake:' .. id
+  end
+
+  -- Take `id` out of the line: its place, waiter lease, due time and wake-up list. Returns
+  -- true if it had a place (else nothing else is touched).
+  function h.leave_line(holders, waiters, wexp, wdue, id)
+    if redis.call('ZREM', waiters, id) == 0 then
+      return false
+    end
+    redis.call('ZREM', wexp, id)
+    redis.call('ZREM', wdue, id)
+    redis.call('DEL', h.wake_key(holders, id))
+    return true
   end
 
   -- Remove holders whose lease ended. Returns (live holders, earliest live expiry or 0).

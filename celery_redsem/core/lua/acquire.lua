@@ -3,14 +3,16 @@
 -- KEYS[1] holders (on Redis Cluster also KEYS[2..4]: waiters, wexp, wdue; see _common.lua)
 -- ARGV[1] '<limit>:<lease ms>:<waiter lease ms>:<idle ttl ms>:<join>:<back in ms>[:1]|<permit id>'
 --         (one argument, not two: each argument costs the client time on every task start),
---         where limit >= 1; the waiter lease is how long a place in line is kept without the
---         waiter coming back; the idle ttl is how long keys outlive the last lease in them;
---         join is 1 to join (or stay in) the waiting line when no permit is free, 0 to only
---         try; back in is when the caller will ask again (0: it waits now, as a blocked
---         caller does): until then its place does not hold a free permit for it (< waiter
---         lease); a ':1' before the '|' asks to mark a renewal (for callers that give back a
---         new grant that too few replicas acknowledged, and must not give back one held
---         before). The permit id is everything after the first '|'.
+--         where 1 <= limit <= MAX_COUNT and each duration <= MAX_MS (_common.lua; other
+--         settings get an error reply, and nothing is written); the waiter lease is how long
+--         a place in line is kept without the waiter coming back; the idle ttl is how long
+--         keys outlive the last lease in them; join is 1 to join (or stay in) the waiting
+--         line when no permit is free, 0 to only try; back in is when the caller will ask
+--         again (0: it waits now, as a blocked caller does): until then its place does not
+--         hold a free permit for it (< waiter lease); a ':1' before the '|' asks to mark a
+--         renewal (for callers that give back a new grant that too few replicas acknowledged,
+--         and must not give back one held before). The permit id is everything after the
+--         first '|'.
 --
 -- Returns status '<token>:<lease expiry ms>'  granted (or already held: same token, lease
 --                                             renewed; with ':1' asked, that renewal ends in
@@ -53,6 +55,14 @@ end
 local waiter_lease, idle_ttl, join, back_in, mark_renewal =
   string.match(ARGV[1], '^%d+:%d+:(%d+):(%d+):(%d):(%d+):?(%d?)|')
 limit, lease, idle_ttl = tonumber(limit), tonumber(lease), tonumber(idle_ttl)
+waiter_lease, back_in = tonumber(waiter_lease), tonumber(back_in)
+-- Settings out of bounds (or malformed) are refused before anything is written. (The fast path
+-- needs no such check: it writes only for a lease that ends by ':gate', which a call that
+-- passed this check stored, with this very limit.)
+if not (back_in and limit >= 1 and limit <= MAX_COUNT and lease <= MAX_MS
+    and waiter_lease <= MAX_MS and idle_ttl <= MAX_MS and back_in <= MAX_MS) then
+  return redis.error_reply('ERR acquire.lua: settings out of bounds or malformed: ' .. ARGV[1])
+end
 local half_idle = math.floor(idle_ttl / 2)
 local queued, horizon, ticket = unpack(redis.call('HMGET', holders, ':queued', ':horizon', ':ticket'))
 local fresh = not fence
@@ -138,10 +148,7 @@ if queued > 0 then
   if rank and tonumber(redis.call('ZSCORE', wexp, id) or 0) <= now then
     -- This caller's place lapsed (nothing swept it yet): it comes back as a newcomer,
     -- behind everyone still in line, not with its old place.
-    redis.call('ZREM', waiters, id)
-    redis.call('ZREM', wexp, id)
-    redis.call('ZREM', wdue, id)
-    redis.call('DEL', h.wake_key(holders, id))
+    h.leave_line(holders, waiters, wexp, wdue, id)
     queued, rank = queued - 1, nil
   end
   if queued > 0 then
@@ -174,10 +181,7 @@ end
 if held + ahead < limit then
   fence = math.max(fence + 1, now_us)
   if rank then
-    redis.call('ZREM', waiters, id)
-    redis.call('ZREM', wexp, id)
-    redis.call('ZREM', wdue, id)
-    redis.call('DEL', h.wake_key(holders, id))
+    h.leave_line(holders, waiters, wexp, wdue, id)
     queued = queued - 1
   end
   if next_expiry == 0 or expires < next_expiry then
@@ -200,10 +204,10 @@ if not rank then
   queued = queued + 1
   redis.call('ZADD', waiters, ticket, id)
 end
-local waiter_until = now + tonumber(waiter_lease)
+local waiter_until = now + waiter_lease
 local fresh_line = queued == 1 and rank == 0
 redis.call('ZADD', wexp, waiter_until, id)
-redis.call('ZADD', wdue, now + tonumber(back_in), id)
+redis.call('ZADD', wdue, now + back_in, id)
 h.extend(waiters, waiter_until + idle_ttl, fresh_line)
 h.extend(wexp, waiter_until + idle_ttl, fresh_line)
 h.extend(wdue, waiter_until + idle_ttl, fresh_line)

@@ -6,7 +6,20 @@
 --
 -- Returns one integer per permit: the new lease expiry (server ms) if the permit was still held
 -- by that grant and not yet expired, else 0 (lost: expired, released, or re-granted).
+-- An idle ttl or a lease over MAX_MS (_common.lua), or a missing one, gets an error reply before
+-- any permit is touched.
 local idle_ttl = tonumber(ARGV[1])
+local valid = idle_ttl and idle_ttl <= MAX_MS and #ARGV == 3 * #KEYS + 1
+for i = 1, valid and #KEYS or 0 do
+  local lease = tonumber(ARGV[3 * i + 1])
+  if not (lease and lease <= MAX_MS) then
+    valid = false
+    break
+  end
+end
+if not valid then
+  return redis.error_reply('ERR refresh.lua: an idle ttl or a lease out of bounds or missing')
+end
 local now = server_now()
 local out = {}
 for i = 1, #KEYS do
@@ -15,7 +28,7 @@ for i = 1, #KEYS do
   local mine, horizon, next_expiry = unpack(redis.call('HMGET', holders, id, ':horizon', ':next'))
   out[i] = 0
   if mine and string.match(mine, '^(%d+):') == token then
-    local expiry = tonumber(string.match(mine, ':(%d+)$'))
+    local expiry = tonumber(string.match(mine, ':(%d+)$')) or 0 -- unreadable: expired
     if expiry > now then
       local expires = now + lease
       local entry = token .. ':' .. expires

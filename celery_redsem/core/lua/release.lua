@@ -35,10 +35,7 @@ local gone = queued == false
 -- Someone waits: leave the line if this id was in it, then wake whoever a permit is free for.
 local h = helpers()
 local waiters, wexp, wdue = h.sibling_keys(holders)
-if not mine and redis.call('ZREM', waiters, id) == 1 then
-  redis.call('ZREM', wexp, id)
-  redis.call('ZREM', wdue, id)
-  redis.call('DEL', h.wake_key(holders, id))
+if not mine and h.leave_line(holders, waiters, wexp, wdue, id) then
   result = 2
 end
 if result > 0 then

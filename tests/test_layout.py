@@ -1,0 +1,174 @@
+"""The package's layout holds: the core imports without Celery, no import circle among the
+package's modules (lazy and type-checking imports included), no module over 500 lines, and
+:class:`Lock` takes exactly :class:`FairSemaphore`'s options. No server needed.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import redis
+
+from celery_redsem.core.semaphore import FairSemaphore, Lock, SemaphoreOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "celery_redsem"
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _package_module(dotted: str) -> str | None:
+    """The package module that importing ``dotted`` runs (its longest prefix that is one)."""
+    parts = dotted.split(".")
+    while parts:
+        name = ".".join(parts)
+        if name in MODULES:
+            return name
+        parts.pop()
+    return None
+
+
+def imports_of(name: str) -> set[str]:
+    """The package modules ``name`` imports anywhere: at the top, in functions, under
+    ``TYPE_CHECKING``, and by name as a string (``importlib.import_module``, lazy loaders)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str | None] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets.update(_package_module(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                targets.add(_package_module(f"{base}.{alias.name}"))
+        elif isinstance(node, ast.Constant) and node.value in MODULES:
+            targets.add(node.value)
+    return {target for target in targets if target is not None and target != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle in ``graph`` as ``[a, b, ..., a]``, or None if it has none."""
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(node: str) -> list[str] | None:
+        path.append(node)
+        on_path.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt in on_path:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in done:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        on_path.discard(node)
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done:
+            found = visit(start)
+            if found:
+                return found
+    return None
+
+
+def test_the_core_imports_without_celery():
+    core = sorted(name for name in MODULES if name.startswith("celery_redsem.core"))
+    code = (
+        "import importlib, sys\n"
+        f"for name in {core!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'celery' or m.startswith('celery.')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"importing the core imported {result.stdout.strip()}"
+
+
+def test_the_core_imports_only_the_core():
+    """So the top-level package's eager imports (all core) never lead back to it or to the
+    Celery wing: its lazy loader cannot close a circle while the package is half loaded."""
+    outside = {
+        name: sorted(t for t in imports_of(name) if not t.startswith("celery_redsem.core"))
+        for name in MODULES
+        if name.startswith("celery_redsem.core")
+    }
+    assert {name: found for name, found in outside.items() if found} == {}
+
+
+def test_the_import_graph_reads_lazy_and_type_checking_imports():
+    assert "celery_redsem.integration.config" in imports_of("celery_redsem")  # lazy loader
+    assert "celery_redsem.core.semaphore" in imports_of("celery_redsem")
+
+
+def test_no_import_circle_among_the_packages_modules():
+    graph = {name: imports_of(name) for name in MODULES}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_find_cycle_reports_the_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_is_over_500_lines():
+    lengths = {
+        str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+        for path in MODULES.values()
+    }
+    assert {path: n for path, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def test_lock_takes_exactly_the_semaphores_options():
+    def keyword_only(function: typing.Callable[..., object]) -> list[str]:
+        params = inspect.signature(function).parameters.values()
+        return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+    options = typing.get_type_hints(SemaphoreOptions)
+    hints = typing.get_type_hints(FairSemaphore.__init__)
+    assert list(options) == keyword_only(FairSemaphore.__init__)
+    assert options == {name: hints[name] for name in options}
+    lock_params = list(inspect.signature(Lock.__init__).parameters)
+    assert lock_params == ["self", "client", "name", "options"]
+
+
+def test_lock_passes_each_option_on():
+    def clock() -> float:
+        return 0.0
+
+    lock = Lock(
+        redis.Redis(),
+        "report",
+        lease=7,
+        waiter_lease=3,
+        idle_ttl=9,
+        prefix="p",
+        clock=clock,
+        min_replicas=0,
+        replica_timeout=0.25,
+    )
+    assert (lock.limit, lock.lease, lock.waiter_lease, lock.idle_ttl) == (1, 7.0, 3.0, 9.0)
+    assert (lock.keys.prefix, lock.min_replicas, lock.replica_timeout) == ("p", 0, 0.25)
+    assert lock._clock is clock
