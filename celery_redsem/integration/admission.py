@@ -7,8 +7,7 @@ id, marked for a run its own retry queued; see
 :func:`~celery_redsem.core.permit_ids.run_permit_id`):
 
 * **Granted**: the task goes to the child with the permit
-(:mod:`~celery_redsem.integration.handoff`), so
-  the child does not ask again.
+  (:mod:`~celery_redsem.integration.handoff`), so the child does not ask again.
 * **Not granted**: the task is *parked* in the main process and its slot goes to the next task,
   so a contended task costs no slot time and no trip through the broker. Its place in line does
   not hold a free permit while it is parked (``back_in``), so nobody waits for it. It asks again
@@ -36,12 +35,11 @@ task whose key function once takes longer than :data:`SLOW_KEY_FUNCTION` is left
 children from then on, with a warning.
 
 Anything unusual hands the task to the child unchanged, which then waits or retries as
-:mod:`celery_redsem.integration.task_guard` describes: pools without a slot semaphore (solo,
-threads,
-gevent, eventlet), tasks with several guards, a key function that fails (the child reports it),
-``min_replicas`` (its ``WAIT`` would stall the event loop), a worker that is shutting down
-(its parked tasks are left to be delivered again), and Redis errors (admission pauses
-for :data:`PAUSE_AFTER_ERROR` seconds, longer after each error in a row).
+:mod:`celery_redsem.integration.retrying` describes: pools without a slot semaphore (solo,
+threads, gevent, eventlet), tasks with several guards, a key function that fails (the child
+reports it), ``min_replicas`` (its ``WAIT`` would stall the event loop), a worker that is
+shutting down (its parked tasks are left to be delivered again), and Redis errors (admission
+pauses for :data:`PAUSE_AFTER_ERROR` seconds, longer after each error in a row).
 ``redsem_worker_admission = False`` turns it off.
 """
 
@@ -64,16 +62,15 @@ from celery_redsem.core.permits import Permit
 from celery_redsem.integration.backoff import hold_times
 from celery_redsem.integration.config import get_config
 from celery_redsem.integration.handoff import clear_grant, hand_over
-from celery_redsem.integration.task_guard import (
-    WAIT_HEADER,
-    TaskGuard,
+from celery_redsem.integration.naming import call_arguments
+from celery_redsem.integration.task_guard import TaskGuard, guards_of
+from celery_redsem.integration.waiting import (
     WaitState,
-    _attempt,
-    _read_wait_header,
-    _server_ms,
-    call_arguments,
-    guards_of,
+    attempt,
     present_waiter_lease,
+    read_wait,
+    server_ms,
+    stamp_wait,
 )
 
 __all__ = [
@@ -236,11 +233,11 @@ class Admission:
             return None
         present = present_waiter_lease(config)
         asked = time.monotonic()
-        result = _attempt(sem, run, waiter_lease=present)
+        result = attempt(sem, run, waiter_lease=present)
         self._errors_in_row = 0
         if isinstance(result, Permit):
             return result, asked
-        now_ms = _server_ms(result, present)
+        now_ms = server_ms(result, present)
         if earlier is not None and earlier.first_ms >= 0:
             first_ms = earlier.first_ms
         else:
@@ -269,7 +266,7 @@ class Admission:
             return None
         park = min(park, max(MIN_PARK, longest - held_for))
         asked = time.monotonic()
-        again = _attempt(sem, run, waiter_lease=park + config.waiter_margin, back_in=park)
+        again = attempt(sem, run, waiter_lease=park + config.waiter_margin, back_in=park)
         if isinstance(again, Permit):
             return again, asked
         self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)
@@ -471,20 +468,13 @@ def _received_at(req: Any, earlier: _Parked | None, now: float) -> float:
 
 
 def _read_wait(req: Any) -> WaitState:
-    return _read_wait_header(Context(req.request_dict))
+    return read_wait(Context(req.request_dict))
 
 
 def _stamp_wait(req: Any, first_ms: int) -> None:
     """Tell the child when the wait began (it fails the task once ``max_wait`` is spent)."""
-    request_dict = req.request_dict
     wait = _read_wait(req)
-    value = WaitState(wait.attempts, first_ms, wait.errors, 0, 0).header(
-        int(request_dict.get("retries") or 0)
-    )
-    request_dict[WAIT_HEADER] = value
-    headers = request_dict.get("headers")
-    if isinstance(headers, dict):
-        request_dict["headers"] = {**headers, WAIT_HEADER: value}
+    stamp_wait(req.request_dict, WaitState(wait.attempts, first_ms, wait.errors, 0, 0))
 
 
 def install_admission(controller: Any, app: Celery) -> Admission | None:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import difflib
 import logging
-import math
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -31,13 +30,16 @@ from celery_redsem.core.client import (
     DEFAULT_REPLICA_TIMEOUT,
     RedisClient,
 )
-from celery_redsem.core.clients import client_from_url, redact_url
+from celery_redsem.core.clients import client_from_url
 from celery_redsem.core.errors import ConfigurationError
 from celery_redsem.core.keys import DEFAULT_PREFIX, validate_prefix
+from celery_redsem.core.redaction import redact_url, safe_repr, scrub
+from celery_redsem.core.validation import Rule, choice_rule, count_rule, seconds_rule
 
 __all__ = [
     "DEFAULT_REDIS_OPTIONS",
     "LOST_LEASE_POLICIES",
+    "LOST_LEASE_POLICY",
     "SETTINGS",
     "RedsemConfig",
     "Setting",
@@ -46,12 +48,14 @@ __all__ = [
     "reset",
 ]
 
+logger = logging.getLogger(__name__)
+
 LOST_LEASE_POLICIES = ("log", "raise")
+#: What a lost lease policy must be (the setting's and a decorator's ``lost_lease_policy``).
+LOST_LEASE_POLICY = choice_rule(LOST_LEASE_POLICIES)
 
 #: redis-py options used unless ``redsem_redis_options`` overrides them: bounded socket waits,
 #: so a hung connection cannot stall the heartbeat for longer than a lease.
-logger = logging.getLogger(__name__)
-
 DEFAULT_REDIS_OPTIONS: Mapping[str, Any] = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
 
 
@@ -151,38 +155,43 @@ SETTINGS: tuple[Setting, ...] = (
 _DEFAULTS = {s.name: s.default for s in SETTINGS}
 _NULLABLE = frozenset({"redsem_redis_url", "redsem_max_wait"})
 _REDIS_SCHEMES = ("redis", "rediss")
+_COUNT = count_rule(minimum=0)
 _UNSET: Any = object()
 
 
 @dataclass(frozen=True)
 class RedsemConfig:
-    """The validated ``redsem_*`` settings of one app (see :data:`SETTINGS`)."""
+    """The validated ``redsem_*`` settings of one app, built by :meth:`from_conf`.
 
-    redis_url: str | None = field(default=None, repr=False)
-    redis_url_source: str = "redsem_redis_url"
-    redis_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    key_prefix: str = DEFAULT_PREFIX
-    lease: float = DEFAULT_LEASE
-    idle_ttl: float = DEFAULT_IDLE_TTL
-    retry_backoff: float = 0.25
-    retry_backoff_max: float = 10.0
-    retry_jitter: bool = True
-    retry_min_countdown: float = 0.02
-    head_wait: float = 1.0
-    worker_admission: bool = True
-    waiter_margin: float = 5.0
-    max_wait: float | None = 3600.0
-    lost_lease_policy: str = "log"
-    eager_timeout: float = 30.0
-    min_replicas: int = 0
-    replica_timeout: float = DEFAULT_REPLICA_TIMEOUT
-    check_eviction_policy: bool = True
+    Its fields have no defaults of their own: an unset setting takes its default from
+    :data:`SETTINGS`, the one place that states them.
+    """
+
+    redis_url: str | None = field(repr=False)
+    redis_url_source: str
+    redis_options: Mapping[str, Any] = field(repr=False)
+    key_prefix: str
+    lease: float
+    idle_ttl: float
+    retry_backoff: float
+    retry_backoff_max: float
+    retry_jitter: bool
+    retry_min_countdown: float
+    head_wait: float
+    worker_admission: bool
+    waiter_margin: float
+    max_wait: float | None
+    lost_lease_policy: str
+    eager_timeout: float
+    min_replicas: int
+    replica_timeout: float
+    check_eviction_policy: bool
 
     def require_redis_url(self) -> str:
         """The Redis URL, or a :class:`ConfigurationError` saying how to set one."""
         if self.redis_url is None:
             raise ConfigurationError(
-                "celery_redsem needs a Redis server: set redsem_redis_url "
+                "no Redis server for the semaphores: set redsem_redis_url "
                 "(Django: CELERY_REDSEM_REDIS_URL), or use a redis:// result backend or broker"
             )
         return self.redis_url
@@ -207,7 +216,7 @@ class RedsemConfig:
             worker_admission=read.boolean("redsem_worker_admission"),
             waiter_margin=read.seconds("redsem_waiter_margin"),
             max_wait=read.seconds("redsem_max_wait", none_ok=True),
-            lost_lease_policy=read.choice("redsem_lost_lease_policy", LOST_LEASE_POLICIES),
+            lost_lease_policy=read.checked("redsem_lost_lease_policy", LOST_LEASE_POLICY),
             eager_timeout=read.seconds("redsem_eager_timeout", zero_ok=True),
             min_replicas=read.count("redsem_min_replicas"),
             replica_timeout=read.seconds("redsem_replica_timeout"),
@@ -215,34 +224,12 @@ class RedsemConfig:
         )
 
 
-def _seconds_rule(
-    *, zero_ok: bool = False, none_ok: bool = False
-) -> tuple[str, Callable[[Any], bool]]:
-    """What a number of seconds must be, for messages, and the check of a value (a bool is
-    not a number)."""
-    expected = f"a number of seconds {'>= 0' if zero_ok else '> 0'}{' or None' if none_ok else ''}"
-
-    def ok(value: Any) -> bool:
-        if value is None:
-            return none_ok
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return False
-        return math.isfinite(value) and (value > 0 or (zero_ok and value == 0))
-
-    return expected, ok
-
-
 #: redis-py options that redis-py does not check until it connects: what each must be.
-_TIMING_OPTIONS: Mapping[str, tuple[str, Callable[[Any], bool]]] = {
-    "socket_timeout": _seconds_rule(none_ok=True),
-    "socket_connect_timeout": _seconds_rule(none_ok=True),
-    "health_check_interval": _seconds_rule(zero_ok=True),
-    "max_connections": (
-        "an int >= 1 or None",
-        lambda value: (
-            value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-        ),
-    ),
+_TIMING_OPTIONS: Mapping[str, Rule] = {
+    "socket_timeout": seconds_rule(none_ok=True),
+    "socket_connect_timeout": seconds_rule(none_ok=True),
+    "health_check_interval": seconds_rule(zero_ok=True),
+    "max_connections": count_rule(none_ok=True),
 }
 
 
@@ -261,33 +248,29 @@ class _Reader:
 
     def _fail(self, name: str, expected: str, value: object) -> ConfigurationError:
         return ConfigurationError(
-            f"setting {name} (Django: CELERY_{name.upper()}) must be {expected}, got {value!r}"
+            f"setting {name} (Django: CELERY_{name.upper()}) must be {expected}, "
+            f"got {safe_repr(value)}"
         )
 
-    def seconds(self, name: str, *, zero_ok: bool = False, none_ok: bool = False) -> Any:
+    def checked(self, name: str, rule: Rule) -> Any:
+        """The value of ``name`` as ``rule`` accepts and converts it."""
         value = self.get(name)
-        expected, ok = _seconds_rule(zero_ok=zero_ok, none_ok=none_ok)
-        if not ok(value):
-            raise self._fail(name, expected, value)
-        return None if value is None else float(value)
+        if not rule.accepts(value):
+            raise self._fail(name, rule.expected, value)
+        return rule.convert(value)
+
+    def seconds(self, name: str, *, zero_ok: bool = False, none_ok: bool = False) -> Any:
+        return self.checked(name, seconds_rule(zero_ok=zero_ok, none_ok=none_ok))
 
     def count(self, name: str) -> int:
-        value = self.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise self._fail(name, "an int >= 0", value)
-        return value
+        count: int = self.checked(name, _COUNT)
+        return count
 
     def boolean(self, name: str) -> bool:
         value = self.get(name)
         if not isinstance(value, bool):
             raise self._fail(name, "True or False", value)
         return value
-
-    def choice(self, name: str, choices: tuple[str, ...]) -> str:
-        value = self.get(name)
-        if value not in choices:
-            raise self._fail(name, " or ".join(repr(c) for c in choices), value)
-        return str(value)
 
     def mapping(self, name: str) -> dict[str, Any]:
         value = self.get(name)
@@ -299,9 +282,9 @@ class _Reader:
         """redis-py keyword arguments; the timing ones are checked here, since redis-py
         takes any value and fails only when it connects (a str read from the environment)."""
         options = self.mapping(name)
-        for option, (expected, ok) in _TIMING_OPTIONS.items():
-            if option in options and not ok(options[option]):
-                raise self._fail(name, f"a dict whose {option!r} is {expected}", options)
+        for option, rule in _TIMING_OPTIONS.items():
+            if option in options and not rule.accepts(options[option]):
+                raise self._fail(name, f"a dict whose {option!r} is {rule.expected}", options)
         return options
 
     def prefix(self, name: str) -> str:
@@ -365,7 +348,6 @@ def get_config(app: Celery) -> RedsemConfig:
             config = RedsemConfig.from_conf(app.conf)
             _configs[app] = config
             _warn_about_unknown_settings(app.conf)
-            _warn_if_refresh_can_stall(config)
         return config
 
 
@@ -408,13 +390,6 @@ def refresh_stall_warning(config: RedsemConfig, lease: float, whose: str) -> str
     )
 
 
-def _warn_if_refresh_can_stall(config: RedsemConfig) -> None:
-    """Log a warning when one hung Redis call could outlast a heartbeat interval (lease/3)."""
-    warning = refresh_stall_warning(config, config.lease, "redsem_lease")
-    if warning:
-        logger.warning(warning)
-
-
 def get_client(app: Celery) -> RedisClient:
     """The app's Redis client in this process (a forked child builds its own).
 
@@ -439,7 +414,8 @@ def get_client(app: Celery) -> RedisClient:
         )
         with_options = f" with redsem_redis_options {own_options}" if own_options else ""
         raise ConfigurationError(
-            f"cannot build a Redis client for {where}{with_options}: {exc}"
+            f"cannot build a Redis client for {where}{with_options}: "
+            f"{scrub(str(exc), url, config.redis_options)}"
         ) from exc
     with _lock:
         cached = _clients.get(app)

@@ -26,8 +26,9 @@ from celery._state import get_current_task
 from celery.local import Proxy
 
 from celery_redsem.core.errors import ConfigurationError
-from celery_redsem.integration import worker as _worker  # noqa: F401  (connects the worker's signal handlers)
-from celery_redsem.integration.task_guard import _GUARD_ATTR, KeyFunction, TaskGuard, current_permit
+from celery_redsem.integration.naming import KeyFunction
+from celery_redsem.integration.task_guard import GUARD_ATTR, TaskGuard, current_permit
+from celery_redsem.integration.worker import install_worker_hooks
 
 __all__ = ["current_permit", "with_lock", "with_semaphore"]
 
@@ -100,12 +101,13 @@ class _GuardDecorator:
         fn: Callable[..., Any] = args[0]
         _refuse_a_task(fn)
         guard = TaskGuard(fn, **self.options)
+        install_worker_hooks()  # a worker of this process then looks after guarded tasks
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             return guard.run(args, kwargs)
 
-        setattr(guarded, _GUARD_ATTR, guard)
+        setattr(guarded, GUARD_ATTR, guard)
         # Celery checks a call's arguments against the task's signature when it is sent
         # (``Task.typing``), reading it with getfullargspec, which ignores ``__wrapped__``.
         guarded.__signature__ = guard.signature  # type: ignore[attr-defined]

@@ -15,15 +15,23 @@ releases by task id, which frees whatever grant or place in line the id has:
 * ``task_revoked`` for a task revoked before it ran gives up its place in the waiting line.
 
 Warm shutdown needs nothing: running tasks finish and release in the child; tasks parked by
-:mod:`~celery_redsem.integration.admission` or waiting with a countdown keep their place and come
-back
-after redelivery.
+:mod:`~celery_redsem.integration.admission` or waiting with a countdown keep their place and
+come back after redelivery.
 
-At ``worker_init`` :func:`~celery_redsem.integration.admission.install_admission` also hooks the
-worker's
-dispatch (``redsem_worker_admission``).
+At ``worker_init`` a worker with guarded tasks refuses to start, with one message, when no
+Redis is set for the semaphores (or a setting is wrong): every guarded task would fail. (A
+server that is set but unreachable is no reason: tasks retry until it answers.)
+:func:`~celery_redsem.integration.admission.install_admission` hooks the worker's dispatch
+(``redsem_worker_admission``), and the :class:`StartChecks` bootstep is added to the app's
+worker steps: it logs the start-up warnings (``acks_late``, task leases, Redis'
+``maxmemory-policy``) once the worker's logging is set up.
 
-At worker start a warning is logged when Redis' ``maxmemory-policy`` could evict semaphore keys.
+**How the hooks are installed.** :func:`install_worker_hooks` connects the two signal handlers,
+once per process; the decorators call it as they make each guarded task. Not a bootstep
+registered on the app up front: a decorator runs under ``@app.task`` before it knows the app
+(and ``shared_task`` has none), so the signals, which every worker of the process sends, are
+the one place reachable from there; the handlers then act only for an app with guarded tasks.
+Importing this module connects nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Any
 
 import billiard.einfo
 from billiard.einfo import ExceptionInfo
-from celery import Celery, Task
+from celery import Celery, Task, bootsteps
 from celery.concurrency import get_implementation
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
@@ -46,7 +54,13 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
 from celery_redsem.core.client import RedisClient
-from celery_redsem.core.errors import REDIS_ERRORS, RedsemError, is_transient
+from celery_redsem.core.errors import (
+    REDIS_ERRORS,
+    BackendError,
+    ConfigurationError,
+    RedsemError,
+    is_transient,
+)
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.integration.admission import install_admission
 from celery_redsem.integration.config import (
@@ -55,19 +69,19 @@ from celery_redsem.integration.config import (
     get_config,
     refresh_stall_warning,
 )
-from celery_redsem.integration.task_guard import (
-    TaskGuard,
-    call_arguments,
-    guards_of,
-    iter_guarded_tasks,
-)
+from celery_redsem.integration.naming import call_arguments
+from celery_redsem.integration.task_guard import TaskGuard, guards_of, iter_guarded_tasks
 
 __all__ = [
     "ReleasingRequest",
+    "StartChecks",
     "check_eviction_policy",
     "check_late_acks",
     "install_request_class",
+    "install_worker_hooks",
+    "refuse_without_redis",
     "release_task",
+    "start_warnings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -256,40 +270,87 @@ def check_task_leases(
     return warnings
 
 
-@worker_init.connect(weak=False, dispatch_uid="celery_redsem.integration.worker.on_worker_init")
+class StartChecks(bootsteps.StartStopStep):
+    """Logs celery_redsem's start-up warnings as the worker starts, once its logging is set up
+    (``worker_init`` comes before that: a warning logged there has no time and no level)."""
+
+    label = "celery_redsem checks"
+
+    def start(self, parent: Any) -> None:
+        for warning in start_warnings(parent.app):
+            logger.warning(warning)
+
+
+def start_warnings(app: Celery) -> list[str]:
+    """What a worker of ``app`` should warn about at start: late acks, leases too short for
+    the socket timeout, an eviction policy that could drop semaphore keys."""
+    with_guards = list(iter_guarded_tasks(app))
+    if not with_guards:
+        return []
+    config = get_config(app)
+    warnings = [
+        check_late_acks(app, [task for task, _guards in with_guards]),
+        refresh_stall_warning(config, config.lease, "redsem_lease"),
+        *check_task_leases(config, with_guards),
+    ]
+    if config.check_eviction_policy:
+        try:
+            warnings.append(check_eviction_policy(get_client(app)))
+        except RedsemError as exc:  # a cluster client asks the cluster as it is built
+            warnings.append(f"celery_redsem: cannot check Redis at worker start: {exc}")
+    return [warning for warning in warnings if warning]
+
+
+def refuse_without_redis(app: Celery, guarded: list[Task[Any, Any]]) -> None:
+    """Stop a worker that has guarded tasks but no usable Redis setting, with one message
+    (every guarded task would fail). An unreachable server is no reason: tasks retry."""
+    try:
+        get_config(app).require_redis_url()
+        get_client(app)
+    except ConfigurationError as exc:
+        names = ", ".join(sorted(task.name for task in guarded)[:5])
+        raise SystemExit(
+            f"celery_redsem: this worker cannot run its guarded tasks ({names}"
+            f"{', ...' if len(guarded) > 5 else ''}): {exc}"
+        ) from None
+    except BackendError:
+        pass  # a cluster that cannot be reached now: StartChecks warns, tasks retry
+
+
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     app: Celery | None = getattr(sender, "app", None)
     if app is None:
         return
-    with_guards = list(iter_guarded_tasks(app))
-    guarded = [task for task, _guards in with_guards]
+    guarded = [task for task, _guards in iter_guarded_tasks(app)]
     if not guarded:
         return
+    refuse_without_redis(app, guarded)
     global _pool_has_child_processes  # noqa: PLW0603
     _pool_has_child_processes = has_child_processes(getattr(sender, "pool_cls", None))
     for task in guarded:
         install_request_class(task)
-    warning = check_late_acks(app, guarded)
-    if warning:
-        logger.warning(warning)
-    try:
-        config = get_config(app)
-        for warning in check_task_leases(config, with_guards):
-            logger.warning(warning)
-        if config.worker_admission:
-            install_admission(sender, app)
-        if config.check_eviction_policy:
-            warning = check_eviction_policy(get_client(app))
-            if warning:
-                logger.warning(warning)
-    except RedsemError as exc:
-        logger.error("celery_redsem: %s", exc)
+    if get_config(app).worker_admission:
+        install_admission(sender, app)
+    app.steps["worker"].add(StartChecks)  # before the worker builds its blueprint from them
 
 
-@task_revoked.connect(weak=False, dispatch_uid="celery_redsem.integration.worker.on_task_revoked")
 def _on_task_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
     if terminated or request is None or not isinstance(sender, Task):
         return  # a terminated task is released in its child, or on Terminated
     release_task(sender, request)
+
+
+_installed = False
+
+
+def install_worker_hooks() -> None:
+    """Connect the handlers of ``worker_init`` and ``task_revoked``, once per process (later
+    calls do nothing). The decorators call it for every guarded task they make."""
+    global _installed  # noqa: PLW0603
+    if _installed:
+        return
+    worker_init.connect(_on_worker_init, weak=False, dispatch_uid=f"{__name__}.on_worker_init")
+    task_revoked.connect(_on_task_revoked, weak=False, dispatch_uid=f"{__name__}.on_task_revoked")
+    _installed = True

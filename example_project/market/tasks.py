@@ -17,7 +17,7 @@ from celery import shared_task
 from celery.utils.log import get_task_logger
 
 from celery_redsem import HeldPermit, current_permit, read_state, with_lock, with_semaphore
-from celery_redsem.integration.task_guard import WAIT_HEADER
+from celery_redsem.integration.waiting import WAIT_HEADER
 
 from . import market_api
 

@@ -25,7 +25,7 @@ from celery_redsem import (
     with_lock,
     with_semaphore,
 )
-from celery_redsem.integration.task_guard import WAIT_HEADER
+from celery_redsem.integration.waiting import WAIT_HEADER
 
 _ENTER = """
 local c = redis.call('INCR', KEYS[1])
@@ -44,6 +44,10 @@ def bad_key(mode: str) -> object:
     """A key function that misbehaves on demand."""
     if mode == "raise":
         raise RuntimeError("key function exploded")
+    if mode == "exit":
+        raise SystemExit(3)  # in the worker's main process (admission) it must not stop it
+    if mode == "interrupt":
+        raise KeyboardInterrupt
     return {"none": None, "int": 5, "huge": "x" * 10_000, "braces": "a{b}", "good": "fine"}[mode]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from celery import Celery, _state, current_app
 from celery.local import Proxy
@@ -9,7 +11,7 @@ from celery.local import Proxy
 from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config, with_lock
 from celery_redsem.integration.config import SETTINGS, reset
 from celery_redsem.integration.task_guard import iter_guarded_tasks
-from celery_redsem.integration.worker import check_task_leases
+from celery_redsem.integration.worker import check_task_leases, start_warnings
 from tests.celery.conftest import true_in_forked_child
 
 
@@ -20,6 +22,12 @@ def _app(**conf: object) -> Celery:
 
 
 def test_defaults_match_the_settings_table() -> None:
+    # One source: the config's fields have no defaults of their own, one per setting.
+    fields = {f.name: f for f in dataclasses.fields(RedsemConfig)}
+    assert {f"redsem_{name}" for name in fields} - {"redsem_redis_url_source"} == {
+        s.name for s in SETTINGS
+    }
+    assert all(f.default is dataclasses.MISSING for f in fields.values())
     config = RedsemConfig.from_conf({})
     for setting in SETTINGS:
         attr = setting.name.removeprefix("redsem_")
@@ -97,7 +105,8 @@ def test_a_client_option_or_url_redis_py_rejects_fails_before_any_task(
         ("redsem_lease", 0, "number of seconds > 0"),
         ("redsem_max_wait", -1, "or None"),
         ("redsem_retry_jitter", "yes", "True or False"),
-        ("redsem_lost_lease_policy", "panic", "'log' or 'raise'"),
+        ("redsem_lost_lease_policy", "panic", "one of 'log', 'raise'"),
+        ("redsem_lease", 1e16, "<= 31536000"),  # one rule with the core: bounded
         ("redsem_redis_options", ["socket_timeout"], "dict"),
         ("redsem_redis_options", {"socket_timeout": "5"}, "'socket_timeout' is a number"),
         ("redsem_redis_options", {"socket_connect_timeout": 0}, "'socket_connect_timeout'"),
@@ -161,13 +170,20 @@ def test_celery_proxies_share_the_apps_config_and_client(redis_url: str) -> None
 
 @pytest.mark.parametrize(("lease", "warns"), [(1.0, True), (10.0, False)])
 def test_a_socket_timeout_longer_than_a_heartbeat_interval_is_warned_about(
-    caplog: pytest.LogCaptureFixture, lease: float, warns: bool
+    lease: float, warns: bool
 ) -> None:
+    # Warned at worker start (StartChecks), where the worker's logging shows it.
     app = Celery("redsem-stall", broker="memory://", set_as_current=False)
     app.conf.redsem_lease = lease  # the default socket_timeout is 2 s
-    caplog.set_level("WARNING", logger="celery_redsem.integration.config")
-    get_config(app)
-    assert any("heartbeat interval" in r.getMessage() for r in caplog.records) == warns
+    app.conf.redsem_check_eviction_policy = False
+
+    @app.task(shared=False, name="t.guarded")
+    @with_lock(key="k")
+    def guarded() -> None: ...
+
+    app.finalize()
+    warnings = start_warnings(app)
+    assert any("(redsem_lease=" in w and "heartbeat interval" in w for w in warnings) == warns
 
 
 def test_a_task_lease_shorter_than_three_socket_timeouts_is_warned_about() -> None:

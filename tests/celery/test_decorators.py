@@ -19,7 +19,7 @@ def buy_item(self: Any, account_id: int, item_id: int, qty: int = 1) -> None:
     """A task body."""
 
 
-@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "3", None])
+@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "3", None, 10**30])
 def test_a_wrong_limit_fails_at_decoration(limit: object) -> None:
     with pytest.raises(ConfigurationError, match="limit of buy_item"):
         with_semaphore(limit, key="k")(buy_item)  # type: ignore[arg-type]
@@ -44,7 +44,8 @@ def test_a_wrong_key_fails_at_decoration(key: object, fragment: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("option", "value"), [("lease", 0), ("max_wait", -1), ("lost_lease_policy", "panic")]
+    ("option", "value"),
+    [("lease", 0), ("lease", 1e16), ("max_wait", -1), ("lost_lease_policy", "panic")],
 )
 def test_wrong_options_fail_at_decoration(option: str, value: object) -> None:
     with pytest.raises(ConfigurationError, match=option):
@@ -228,3 +229,26 @@ def test_a_bare_guard_called_as_a_task_body_says_what_happened(decorator: Any) -
         build(7)  # as a task made of it would call it
     with pytest.raises(ConfigurationError, match=BARE):
         build(report_id=7)
+
+
+HOOKS = """
+from celery.signals import task_revoked, worker_init
+import celery_redsem.integration.worker as worker
+
+def ours(signal):
+    return sum(1 for (uid, _), _r in signal.receivers if "celery_redsem" in str(uid))
+
+assert (ours(worker_init), ours(task_revoked)) == (0, 0), "connected at import"
+from celery_redsem import with_lock
+for key in ("a", "b"):
+    with_lock(key=key)(lambda: None)
+print(ours(worker_init), ours(task_revoked))
+"""
+
+
+def test_the_worker_hooks_are_installed_by_the_decorators_once_not_by_an_import() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", HOOKS], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1"]

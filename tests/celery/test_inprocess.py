@@ -14,7 +14,8 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError, read_state
-from celery_redsem.integration.task_guard import WAIT_HEADER, guards_of
+from celery_redsem.integration.task_guard import guards_of
+from celery_redsem.integration.waiting import WAIT_HEADER
 from tests.celery.conftest import blocked, close_app, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
@@ -164,6 +165,8 @@ def test_a_forged_wait_header_neither_lifts_the_budget_nor_stalls_the_worker(
     ("mode", "fragment"),
     [
         ("raise", "raised RuntimeError('key function exploded')"),
+        ("exit", "raised SystemExit(3)"),
+        ("interrupt", "raised KeyboardInterrupt()"),
         ("none", "returned None"),
         ("int", "returned int 5, not a str"),
         ("huge", "10000 characters long"),
