@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint types pytest docs demo bench bench-core bench-celery clean
+.PHONY: test lint types pytest docs demo bench bench-core bench-celery bench-burst clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,16 @@ bench: bench-core
 bench-core: $(STAMP)
 	$(PY) -m benchmarks.bench_core
 
+# Every scenario on both brokers (RabbitMQ skipped where none answers on 127.0.0.1:5672);
+# e.g. `make bench-celery BENCH_ARGS="--scale 0.1"` for a smoke run. Classic run alone:
+# `python -m benchmarks.bench_celery`; see its --help.
+BENCH_ARGS ?=
 bench-celery: $(STAMP)
-	$(PY) -m benchmarks.bench_celery
+	$(PY) -m benchmarks.bench_celery --scenario all $(BENCH_ARGS)
+
+# One hot key's 1,000-deep burst (issue 19's backlog scenario) on both brokers.
+bench-burst: $(STAMP)
+	$(PY) -m benchmarks.bench_celery --scenario backlog $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache

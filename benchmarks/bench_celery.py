@@ -1,59 +1,82 @@
 """End-to-end Celery benchmark: per-key limits through real prefork workers.
 
-Run with ``make bench-celery`` (``python -m benchmarks.bench_celery``). One server (see
-:mod:`benchmarks._server`) is broker, result backend and semaphore store; every key lives under
-a unique prefix that is deleted afterwards.
+Run with ``make bench-celery`` (every scenario, both brokers) or ``python -m
+benchmarks.bench_celery [--scenario NAME[,NAME]] [--brokers redis,amqp] [--scale F]``. One
+server (see :mod:`benchmarks._server`) holds results, semaphores and the bodies' records; it is
+also the ``redis`` broker. ``amqp`` is RabbitMQ (see :mod:`benchmarks._brokers`), skipped with
+a printed line where nothing answers. Each scenario on each broker runs under a unique prefix
+(its keys, its queue, its control exchange) that is deleted afterwards, and starts fresh
+workers for each of its phases, so phases measured side by side share nothing but the host.
 
-N short tasks (default 400 x 50 ms) over K keys (8) with limit L per key (3) run on W worker
-slots (2 prefork workers x 8). All tasks are sent at once, keys in a seeded random order.
+Scenarios (:mod:`benchmarks.scenarios`; sizes by option, all task counts times ``--scale``):
 
-* ``fair``: ``@with_semaphore`` (FIFO line; a near permit is awaited in the slot, else a
-  contention retry with a position-aware countdown).
+* ``backlog``: ``--backlog-tasks`` (1,000) x 20 ms on ONE key, limit 2. ``baseline``: the tasks
+  unguarded on a dedicated worker ``-c 2``; ``guarded``: ``@with_semaphore`` on one worker
+  ``-c 4``; ``spread``: guarded on two workers ``-c 4``; ``head-of-line``: the guarded burst
+  again, then ``--others`` (20) tasks for 20 other keys sent after it. Targets: pace (baseline
+  makespan / makespan) >= 0.9 and contention re-publishes per task <= 0.1 for guarded and
+  spread, no over-admission, the 20 others done within 1 s of their first send.
+* ``uncontended``: ``--uncontended-tasks`` (600) x 10 ms over ``--uncontended-keys`` (300,
+  round robin, limit 2) on one worker ``-c 4``, guarded and plain: throughput ratio >= 0.95.
+* ``mixed``: the classic run below with modes ``fair,plain``: fair utilization >= 0.9, >= 0.95 x
+  plain's, p99 wait <= 1.5 x the ideal p99, no over-admission.
+
+Without ``--scenario``, the classic run, on the Redis broker unless ``--brokers`` says
+otherwise: N short tasks (``--tasks`` 400 x ``--duration`` 50 ms) over ``--keys`` (8) with
+``--limit`` (3) per key on ``--workers`` (2) prefork workers x ``--concurrency`` (8), all sent
+at once, keys in a seeded random order, in each of ``--modes`` (default ``fair,naive,plain``):
+
+* ``fair``: ``@with_semaphore``, the plugin under test (its FIFO line per key).
 * ``naive``: the same semaphore tried without joining the line, retried with a fixed countdown
   (``--naive-countdown``, 0.1 s), the usual pattern of Celery lock plugins.
+* ``plain``: no semaphore at all.
 
-Before the first mode, ``--warmup`` uncontended guarded tasks (4 per slot, on keys and a task
-name of their own) let every pool child connect to Redis and load the scripts, as a worker that
-has been up for a while has; nothing the measured tasks learn (hold times, return delays) comes
+Before each phase, ``--warmup`` uncontended guarded tasks (4 per slot, on keys and a task name
+of their own) let every pool child connect to Redis and load the scripts, as a worker that has
+been up for a while has; nothing the measured tasks learn (hold times, return delays) comes
 from them. ``--warmup 0`` measures from cold children.
 
 Each body counts itself in and out of a per-key counter that nothing else touches; a count
-above L is an over-admission. ``wait`` is body start minus send time. The ideal is a simulated
+above the limit is an over-admission. ``wait`` is body start minus send time; ``re-pub`` counts
+contention retries through the broker (the ``redsem_wait`` header's first element, or the
+naive task's retries); ``deliv`` counts deliveries the workers received (``task_received``),
+1.0 per task when nothing goes through the broker twice. The ideal is a simulated
 work-conserving FIFO dispatcher with W slots and limit L per key, the same send times and the
 measured mean body time: ``utilization`` = ideal makespan / real makespan, and ``p99 / ideal``
-compares wait percentiles. Targets (fair): utilization >= 0.85, p99 wait <= 2 x ideal p99, no
-over-admission. ``--dump PATH`` writes each mode's send times and body records to
-``PATH.<mode>.json`` for a closer look.
+compares wait percentiles (``n/a`` when the ideal p99 is under 1 ms). ``--dump PATH`` writes
+each phase's send times and body records to ``PATH.<broker>.<phase>.json`` for a closer look.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import heapq
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
+from celery.signals import task_received, worker_shutdown
 
+from benchmarks._brokers import AMQP_URL, Broker
 from celery_redsem import FairSemaphore, Permit, get_client, with_semaphore
-from celery_redsem.integration.task_guard import WAIT_HEADER
+from celery_redsem.integration.waiting import WAIT_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV_URL, ENV_PREFIX, ENV_LIMIT = (
+ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_LIMIT, ENV_TAG = (
     "REDSEM_BENCH_APP_URL",
+    "REDSEM_BENCH_BROKER_URL",
     "REDSEM_BENCH_APP_PREFIX",
     "REDSEM_BENCH_LIMIT",
+    "REDSEM_BENCH_TAG",
 )
 ENV_NAIVE_COUNTDOWN = "REDSEM_BENCH_NAIVE_COUNTDOWN"
 ENV_SETTINGS = "REDSEM_BENCH_SETTINGS"
@@ -71,13 +94,20 @@ def make_app(
     limit: int,
     naive_countdown: float,
     settings: dict[str, Any] | None = None,
+    broker_url: str | None = None,
 ) -> Celery:
-    """The benchmark app: both task variants, results and records under ``prefix``."""
+    """The benchmark app: the task variants, results and records under ``prefix``.
+
+    The broker is ``broker_url`` (default: ``url``); tasks go to the queue ``prefix`` and
+    control messages to the exchange ``prefix.pidbox``, so no other run sees them.
+    """
+    broker_url = broker_url or url
     app = Celery("redsembench", set_as_current=False)
     app.conf.update(
-        broker_url=url,
+        broker_url=broker_url,
         result_backend=url,
-        broker_transport_options={"global_keyprefix": f"{prefix}:kombu:"},
+        task_default_queue=prefix,
+        control_exchange=prefix,
         result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
         broker_connection_retry_on_startup=True,
         redsem_key_prefix=prefix,
@@ -85,21 +115,23 @@ def make_app(
         worker_hijack_root_logger=False,
         task_ignore_result=True,
     )
+    if not broker_url.startswith("amqp"):
+        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
     app.conf.update(settings or {})
     clients: dict[int, redis.Redis] = {}
 
     def client() -> redis.Redis:
         return clients.setdefault(os.getpid(), redis.Redis.from_url(url))
 
-    def body(mode: str, key: str, sent: float, seconds: float, request: Any) -> None:
+    def body(mode: str, tag: str, key: str, sent: float, seconds: float, request: Any) -> None:
         start = time.time()
-        counter = f"{prefix}:b:{mode}:cur:{key}"
-        client().eval(_ENTER, 2, counter, f"{prefix}:b:{mode}:over", limit)
+        counter = f"{prefix}:b:{tag}:cur:{key}"
+        client().eval(_ENTER, 2, counter, f"{prefix}:b:{tag}:over", limit)
         time.sleep(seconds)
         client().decr(counter)
         end = time.time()
-        wait = (request.headers or {}).get(WAIT_HEADER) or [0]
-        retries = wait[0] if mode == "fair" else request.retries
+        wait = getattr(request, WAIT_HEADER, None) or (request.headers or {}).get(WAIT_HEADER)
+        retries = (wait or [0])[0] if mode == "fair" else request.retries
         record = json.dumps(
             {
                 "key": key,
@@ -110,35 +142,60 @@ def make_app(
                 "pid": os.getpid(),
             }
         )
-        client().rpush(f"{prefix}:b:{mode}:done", record)
+        client().rpush(f"{prefix}:b:{tag}:done", record)
 
     @app.task(shared=False, bind=True, name="bench.fair")
     @with_semaphore(limit=limit, key=lambda key: f"fair:{key}")
-    def fair(self: Any, key: str, sent: float, seconds: float) -> None:
-        body("fair", key, sent, seconds, self.request)
+    def fair(self: Any, key: str, sent: float, seconds: float, tag: str = "fair") -> None:
+        body("fair", tag, key, sent, seconds, self.request)
 
     @app.task(shared=False, name="bench.warm")
     @with_semaphore(limit=1, key=lambda i: f"warm:{i}")
-    def warm(i: int, seconds: float) -> None:
+    def warm(i: int, seconds: float, tag: str = "") -> None:
         time.sleep(seconds)
-        client().incr(f"{prefix}:b:warm")
+        client().incr(f"{prefix}:b:{tag}:warm")
 
     @app.task(shared=False, bind=True, name="bench.plain")
-    def plain(self: Any, key: str, sent: float, seconds: float) -> None:
-        body("plain", key, sent, seconds, self.request)
+    def plain(self: Any, key: str, sent: float, seconds: float, tag: str = "plain") -> None:
+        body("plain", tag, key, sent, seconds, self.request)
 
     @app.task(shared=False, bind=True, name="bench.naive", max_retries=None)
-    def naive(self: Any, key: str, sent: float, seconds: float) -> None:
+    def naive(self: Any, key: str, sent: float, seconds: float, tag: str = "naive") -> None:
         sem = FairSemaphore(get_client(app), f"naive:{key}", limit, lease=5.0, prefix=prefix)
         permit = sem.attempt(self.request.id)  # no waiting line
         if not isinstance(permit, Permit):
             raise self.retry(countdown=naive_countdown)
         try:
-            body("naive", key, sent, seconds, self.request)
+            body("naive", tag, key, sent, seconds, self.request)
         finally:
             sem.release(permit)
 
     return app
+
+
+def count_deliveries(url: str, prefix: str, tag: str) -> None:
+    """In a worker: count the measured tasks it receives; add the count up at shutdown.
+
+    Counted in memory (nothing on the dispatch path) and written once, to
+    ``prefix:b:tag:received``, when the worker stops.
+    """
+    received = [0]
+
+    @task_received.connect(weak=False)
+    def _received(request: Any = None, **_: Any) -> None:
+        if getattr(request, "name", "") != "bench.warm":
+            received[0] += 1
+
+    @worker_shutdown.connect(weak=False)
+    def _flush(**_: Any) -> None:
+        client = redis.Redis.from_url(url)
+        try:
+            pipe = client.pipeline()
+            pipe.incrby(f"{prefix}:b:{tag}:received", received[0])
+            pipe.incr(f"{prefix}:b:{tag}:flushed")
+            pipe.execute()
+        finally:
+            client.close()
 
 
 if os.environ.get(ENV_URL):  # imported by `celery -A benchmarks.bench_celery worker`
@@ -148,99 +205,76 @@ if os.environ.get(ENV_URL):  # imported by `celery -A benchmarks.bench_celery wo
         int(os.environ[ENV_LIMIT]),
         float(os.environ.get(ENV_NAIVE_COUNTDOWN, "0.1")),
         json.loads(os.environ.get(ENV_SETTINGS, "{}")),
+        os.environ.get(ENV_BROKER),
     )
-
-
-# -- the ideal ----------------------------------------------------------------------------------
-
-
-def ideal_schedule(
-    sent: list[float], keys: list[str], slots: int, limit: int, duration: float
-) -> list[float]:
-    """Start times under a work-conserving FIFO dispatcher (earliest-sent runnable task first)."""
-    n = len(sent)
-    order = sorted(range(n), key=lambda i: sent[i])
-    start = [0.0] * n
-    running: list[tuple[float, int]] = []  # (end, task)
-    per_key: Counter[str] = Counter()
-    pending: list[int] = []
-    now = 0.0
-    nxt = 0
-    while nxt < n or pending or running:
-        while nxt < n and sent[order[nxt]] <= now:
-            pending.append(order[nxt])
-            nxt += 1
-        started = True
-        while started and len(running) < slots:
-            started = False
-            for j, i in enumerate(pending):
-                if per_key[keys[i]] < limit:
-                    start[i] = now
-                    per_key[keys[i]] += 1
-                    heapq.heappush(running, (now + duration, i))
-                    del pending[j]
-                    started = True
-                    break
-        events = [running[0][0]] if running else []
-        if nxt < n:
-            events.append(sent[order[nxt]])
-        if not events:
-            break
-        now = min(events)
-        while running and running[0][0] <= now:
-            _, i = heapq.heappop(running)
-            per_key[keys[i]] -= 1
-    return start
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
+    count_deliveries(os.environ[ENV_URL], os.environ[ENV_PREFIX], os.environ.get(ENV_TAG, "-"))
 
 
 # -- running --------------------------------------------------------------------------------------
 
 
 @dataclass
-class Result:
-    mode: str
-    makespan: float
-    ideal_makespan: float
-    p50: float
-    p99: float
-    ideal_p50: float
-    ideal_p99: float
+class Bench:
+    """One scenario on one broker: the driver's app and client, and the run's unique prefix."""
+
+    app: Celery
+    client: redis.Redis
+    url: str
+    broker: Broker
+    prefix: str
+    args: argparse.Namespace
+
+
+@dataclass
+class Batch:
+    """One phase: what was sent when, the bodies' records, and what the workers counted."""
+
+    tag: str
+    sent: list[float]
+    keys: list[str]
+    records: list[dict[str, Any]]
     over: int
-    retries: int
+    received: int | None  # deliveries the workers received (None: a worker did not report)
+
+    def of(self, keys: set[str]) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["key"] in keys]
 
     @property
-    def utilization(self) -> float:
-        return self.ideal_makespan / self.makespan
+    def makespan(self) -> float:
+        return float(max(r["end"] for r in self.records) - min(self.sent))
+
+    @property
+    def body(self) -> float:
+        return float(sum(r["end"] - r["start"] for r in self.records) / len(self.records))
+
+    @property
+    def retries(self) -> int:
+        return sum(r["retries"] for r in self.records)
 
 
 def start_workers(
-    url: str, prefix: str, args: argparse.Namespace, logs: Path
+    bench: Bench, tag: str, workers: int, concurrency: int, limit: int, logs: Path
 ) -> list[subprocess.Popen[bytes]]:
+    args = bench.args
     env = {
         **os.environ,
-        ENV_URL: url,
-        ENV_PREFIX: prefix,
-        ENV_LIMIT: str(args.limit),
+        ENV_URL: bench.url,
+        ENV_BROKER: bench.broker.url,
+        ENV_PREFIX: bench.prefix,
+        ENV_LIMIT: str(limit),
+        ENV_TAG: tag,
         ENV_NAIVE_COUNTDOWN: str(args.naive_countdown),
         ENV_SETTINGS: json.dumps(args.settings),
         "PYTHONPATH": str(ROOT),
     }
     procs = []
-    for i in range(args.workers):
-        log = (logs / f"bench-worker-{i}.log").open("wb")
+    for i in range(workers):
+        log = (logs / f"bench-worker-{bench.broker.name}-{tag}-{i}.log").open("wb")
         procs.append(
             subprocess.Popen(
                 [
                     *(sys.executable, "-m", "celery", "-A", "benchmarks.bench_celery", "worker"),
-                    *("-P", "prefork", "-c", str(args.concurrency), "-n", f"bench{i}@%h"),
+                    *("-P", "prefork", "-c", str(concurrency), "-n", f"bench{i}@%h"),
                     *("-l", os.environ.get("REDSEM_BENCH_LOGLEVEL", "WARNING")),
                     *("--without-gossip", "--without-mingle", "--without-heartbeat"),
                     f"--prefetch-multiplier={args.prefetch}",
@@ -277,107 +311,142 @@ def wait_workers_ready(app: Celery, count: int, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{count} workers did not come up within {timeout}s")
 
 
-def warm_up(app: Celery, client: redis.Redis, prefix: str, args: argparse.Namespace) -> None:
+def warm_up(bench: Bench, tag: str, count: int) -> None:
     """Let every pool child connect and load the scripts before anything is measured.
 
     Guarded tasks on keys of their own (no contention, and a task name of their own, so the
     measured tasks start with nothing learnt), a few per slot, so that each child gets some.
     """
-    if args.warmup <= 0:
+    if count <= 0:
         return
-    for i in range(args.warmup):
-        app.tasks["bench.warm"].apply_async((i, 0.02))
-    deadline = time.monotonic() + args.timeout
-    while int(client.get(f"{prefix}:b:warm") or 0) < args.warmup:
+    for i in range(count):
+        bench.app.tasks["bench.warm"].apply_async((i, 0.02, tag))
+    deadline = time.monotonic() + bench.args.timeout
+    while int(bench.client.get(f"{bench.prefix}:b:{tag}:warm") or 0) < count:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"warm-up not done in {args.timeout}s")
+            raise RuntimeError(f"{tag}: warm-up not done in {bench.args.timeout}s")
         time.sleep(0.05)
 
 
-def run_mode(
-    app: Celery, client: redis.Redis, prefix: str, mode: str, args: argparse.Namespace
-) -> Result:
-    rng = random.Random(args.seed)
-    keys = [f"k{rng.randrange(args.keys)}" for _ in range(args.tasks)]
-    task = app.tasks[f"bench.{mode}"]
+@contextlib.contextmanager
+def worker_set(
+    bench: Bench, tag: str, *, workers: int, concurrency: int, limit: int
+) -> Iterator[None]:
+    """Fresh workers for one phase, ready and warmed up; stopped (warm shutdown) afterwards."""
+    procs = start_workers(
+        bench, tag, workers, concurrency, limit, Path(os.environ.get("TMPDIR", "/tmp"))
+    )
+    try:
+        wait_workers_ready(bench.app, workers)
+        warm = bench.args.warmup
+        warm_up(bench, tag, 4 * workers * concurrency if warm is None else warm)
+        yield
+    finally:
+        stop_workers(procs)
+
+
+def run_batch(
+    bench: Bench,
+    mode: str,
+    tag: str,
+    keys: list[str],
+    seconds: float,
+    *,
+    workers: int,
+    concurrency: int,
+    limit: int,
+) -> Batch:
+    """Send one task of ``mode`` per key in ``keys`` (in order, at once) to fresh workers and
+    wait until every body has run; the workers' delivery count is read after they stop."""
+    task = bench.app.tasks[f"bench.{mode}"]
+    done_key = f"{bench.prefix}:b:{tag}:done"
     sent = []
-    for key in keys:
-        now = time.time()
-        sent.append(now)
-        task.apply_async((key, now, args.duration))
-    done_key = f"{prefix}:b:{mode}:done"
-    deadline = time.monotonic() + args.timeout
-    while client.llen(done_key) < args.tasks:
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"{mode}: only {client.llen(done_key)}/{args.tasks} tasks done in {args.timeout}s"
-            )
-        time.sleep(0.05)
-    records = [json.loads(r) for r in client.lrange(done_key, 0, -1)]
-    if args.dump:
-        with open(f"{args.dump}.{mode}.json", "w") as f:
+    with worker_set(bench, tag, workers=workers, concurrency=concurrency, limit=limit):
+        for key in keys:
+            now = time.time()
+            sent.append(now)
+            task.apply_async((key, now, seconds, tag))
+        deadline = time.monotonic() + bench.args.timeout
+        while (done := bench.client.llen(done_key)) < len(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{tag}: only {done}/{len(keys)} tasks done in {bench.args.timeout}s"
+                )
+            time.sleep(0.05)
+    records = [json.loads(r) for r in bench.client.lrange(done_key, 0, -1)]
+    if bench.args.dump:
+        with open(f"{bench.args.dump}.{bench.broker.name}.{tag}.json", "w") as f:
             json.dump({"sent": sent, "keys": keys, "records": records}, f)
-    t0 = min(sent)
-    makespan = max(r["end"] for r in records) - t0
-    waits = [r["start"] - r["sent"] for r in records]
-    body = sum(r["end"] - r["start"] for r in records) / len(records)
-    ideal_start = ideal_schedule(
-        [s - t0 for s in sent], keys, args.workers * args.concurrency, args.limit, body
-    )
-    ideal_waits = [ideal_start[i] - (sent[i] - t0) for i in range(len(sent))]
-    ideal_makespan = max(ideal_start) + body
-    return Result(
-        mode=mode,
-        makespan=makespan,
-        ideal_makespan=ideal_makespan,
-        p50=percentile(waits, 0.5),
-        p99=percentile(waits, 0.99),
-        ideal_p50=percentile(ideal_waits, 0.5),
-        ideal_p99=percentile(ideal_waits, 0.99),
-        over=int(client.get(f"{prefix}:b:{mode}:over") or 0),
-        retries=sum(r["retries"] for r in records),
+    received = bench.client.get(f"{bench.prefix}:b:{tag}:received")
+    if int(bench.client.get(f"{bench.prefix}:b:{tag}:flushed") or 0) != workers:
+        received = None  # a worker did not stop cleanly: its count is missing
+    return Batch(
+        tag=tag,
+        sent=sent,
+        keys=keys,
+        records=records,
+        over=int(bench.client.get(f"{bench.prefix}:b:{tag}:over") or 0),
+        received=None if received is None else int(received),
     )
 
 
-def report(results: list[Result], args: argparse.Namespace, version: str) -> None:
-    slots = args.workers * args.concurrency
-    print(
-        f"celery e2e: {args.tasks} tasks x {args.duration * 1000:.0f} ms, {args.keys} keys, "
-        f"limit {args.limit}, {args.workers} workers x {args.concurrency} slots ({slots}), "
-        f"prefetch {args.prefetch}, {version}"
+# -- the command line -----------------------------------------------------------------------------
+
+HELP = """\
+End-to-end Celery benchmark: per-key limits through real prefork workers.
+
+scenarios (--scenario NAME[,NAME] or all), each on every broker of --brokers, phases side by side:
+  backlog      --backlog-tasks (1000) x 20 ms on ONE key, limit 2: unguarded on a dedicated
+               worker -c 2 (baseline), guarded on 1 worker -c 4 and on 2 workers -c 4, then the
+               burst again with --others (20) tasks for other keys sent after it. Targets: pace
+               vs baseline >= 0.9, re-publishes/task <= 0.1, no over-admission, others <= 1 s.
+  uncontended  --uncontended-tasks (600) x 10 ms over --uncontended-keys (300), 1 worker -c 4:
+               guarded throughput >= 0.95 x plain.
+  mixed        the classic run with modes fair,plain: fair utilization >= 0.9 and >= 0.95 x
+               plain's, p99 wait <= 1.5 x ideal p99, no over-admission.
+without --scenario: the classic run of --modes (fair,naive,plain) on the Redis broker.
+--scale multiplies every task count (0.1 for a smoke run). RabbitMQ (--amqp-url) is skipped
+with a printed line when nothing answers there."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from benchmarks import scenarios
+
+    parser = argparse.ArgumentParser(
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="make bench-celery runs --scenario all; "
+        "make bench-celery BENCH_ARGS='--scale 0.1' runs a small smoke run of it",
     )
-    columns = ["makespan", "ideal", "util", "p50 wait", "p99 wait", "ideal p50", "ideal p99"]
-    columns += ["p99/ideal", "over", "retries"]
-    header = f"{'mode':<6}" + "".join(f"{c:>10}" for c in columns)
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        cells = [f"{r.makespan:.2f}s", f"{r.ideal_makespan:.2f}s", f"{r.utilization:.2f}"]
-        cells += [f"{v:.2f}s" for v in (r.p50, r.p99, r.ideal_p50, r.ideal_p99)]
-        cells += [f"{r.p99 / r.ideal_p99:.2f}", str(r.over), str(r.retries)]
-        print(f"{r.mode:<6}" + "".join(f"{c:>10}" for c in cells))
-    fair = next((r for r in results if r.mode == "fair"), None)
-    if fair is not None:
-        ok = fair.utilization >= 0.85 and fair.p99 <= 2 * fair.ideal_p99 and fair.over == 0
-        print(
-            f"targets (fair): utilization >= 0.85 [{fair.utilization:.2f}], p99 <= 2 x ideal "
-            f"[{fair.p99 / fair.ideal_p99:.2f}], over-admissions 0 [{fair.over}]: "
-            + ("MET" if ok else "MISSED")
-        )
-
-
-def main(argv: list[str] | None = None) -> int:
-    from benchmarks._server import bench_server, delete_prefix, unique_prefix
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=400)
-    parser.add_argument("--keys", type=int, default=8)
-    parser.add_argument("--limit", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--duration", type=float, default=0.05, help="seconds per task body")
+    parser.add_argument(
+        "--scenario",
+        metavar="NAME[,NAME]",
+        help=f"named scenarios: {', '.join(scenarios.SCENARIOS)} or all "
+        "(default: the classic run of --modes)",
+    )
+    parser.add_argument(
+        "--brokers",
+        metavar="redis,amqp",
+        help="brokers to run on (default: redis,amqp with --scenario, else redis)",
+    )
+    parser.add_argument("--amqp-url", default=AMQP_URL, help="RabbitMQ (default: %(default)s)")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every task count (0.1: a smoke run)"
+    )
+    group = parser.add_argument_group("classic run and the mixed scenario")
+    group.add_argument("--tasks", type=int, default=400)
+    group.add_argument("--keys", type=int, default=8)
+    group.add_argument("--limit", type=int, default=3)
+    group.add_argument("--workers", type=int, default=2)
+    group.add_argument("--concurrency", type=int, default=8)
+    group.add_argument("--duration", type=float, default=0.05, help="seconds per task body")
+    group.add_argument(
+        "--modes", help="fair,naive,plain (default: all three; the mixed scenario: fair,plain)"
+    )
+    group.add_argument("--naive-countdown", type=float, default=0.1)
+    group.add_argument("--seed", type=int, default=7)
+    scenarios.add_arguments(parser.add_argument_group("backlog and uncontended scenarios"))
     parser.add_argument("--prefetch", type=int, default=4, help="worker prefetch multiplier")
-    parser.add_argument("--naive-countdown", type=float, default=0.1)
     parser.add_argument(
         "--warmup",
         type=int,
@@ -385,11 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         help="uncontended guarded tasks run first so every pool child is connected "
         "(default: 4 per slot; 0: none)",
     )
-    parser.add_argument("--modes", default="fair,naive,plain")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
     parser.add_argument(
-        "--dump", metavar="PATH", help="write each mode's records to PATH.MODE.json"
+        "--dump", metavar="PATH", help="write each phase's records to PATH.BROKER.PHASE.json"
     )
     parser.add_argument(
         "--set",
@@ -399,26 +466,26 @@ def main(argv: list[str] | None = None) -> int:
         help="a redsem_* setting for the workers",
     )
     args = parser.parse_args(argv)
-    if args.warmup is None:
-        args.warmup = 4 * args.workers * args.concurrency
     args.settings = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
-    logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    with bench_server() as server:
-        prefix = unique_prefix()
-        client = redis.Redis.from_url(server.url)
-        app = make_app(server.url, prefix, args.limit, args.naive_countdown, args.settings)
-        procs = start_workers(server.url, prefix, args, logs)
-        try:
-            wait_workers_ready(app, args.workers)
-            warm_up(app, client, prefix, args)
-            results = [run_mode(app, client, prefix, mode, args) for mode in args.modes.split(",")]
-        finally:
-            stop_workers(procs)
-            app.close()
-            delete_prefix(client, prefix)
-            client.close()
-    report(results, args, server.version)
-    return 0
+    if args.scenario in (None, "all"):
+        names = list(scenarios.SCENARIOS) if args.scenario else ["mixed"]
+    else:
+        names = args.scenario.split(",")
+    unknown = [n for n in names if n not in scenarios.SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario {', '.join(unknown)}")
+    args.names = names
+    args.modes = (args.modes or ("fair,plain" if args.scenario else "fair,naive,plain")).split(",")
+    args.brokers = (args.brokers or ("redis,amqp" if args.scenario else "redis")).split(",")
+    if set(args.brokers) - {"redis", "amqp"}:
+        parser.error("--brokers takes redis and/or amqp")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import scenarios
+
+    return scenarios.run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,408 @@
+"""The named scenarios of issue 19: each measured side by side, on one broker, in one run.
+
+Run through :mod:`benchmarks.bench_celery` (``--scenario backlog,uncontended,mixed``); its
+docstring says what each scenario measures and which targets it prints. Every phase gets fresh
+workers (:func:`~benchmarks.bench_celery.run_batch`); a scenario prints its host line, a table
+of its phases, then each target with its figure and MET or MISSED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import random
+import sys
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import redis
+
+from benchmarks._brokers import Broker, amqp_broker, drop_queue, host_line
+from benchmarks._server import BenchServer, bench_server, delete_prefix, unique_prefix
+from benchmarks.bench_celery import Batch, Bench, make_app, run_batch
+
+BACKLOG_GUARDED = (1, 4)  # one worker -c 4
+BACKLOG_SPREAD = (2, 4)  # two workers -c 4
+UNCONTENDED_WORKERS = (1, 4)
+UNCONTENDED_LIMIT = 2
+IDEAL_P99_FLOOR = 0.001  # an ideal p99 below this makes p99 / ideal meaningless: n/a
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--backlog-tasks", type=int, default=1000, help="burst depth on one key")
+    group.add_argument("--backlog-duration", type=float, default=0.02)
+    group.add_argument(
+        "--backlog-limit", type=int, default=2, help="also the baseline's -c (default 2)"
+    )
+    group.add_argument(
+        "--others", type=int, default=20, help="tasks for other keys sent after the burst"
+    )
+    group.add_argument("--uncontended-tasks", type=int, default=600)
+    group.add_argument("--uncontended-keys", type=int, default=300)
+    group.add_argument("--uncontended-duration", type=float, default=0.01)
+
+
+def scaled(count: int, scale: float) -> int:
+    return max(1, round(count * scale))
+
+
+# -- targets ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One acceptance figure: what it is, its value (None: n/a) and the bound it must keep."""
+
+    name: str
+    value: float | None
+    bound: float
+    at_most: bool = False
+    digits: int = 2
+
+    @property
+    def met(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value <= self.bound if self.at_most else self.value >= self.bound
+
+    def line(self) -> str:
+        op = "<=" if self.at_most else ">="
+        value = "n/a" if self.value is None else f"{self.value:.{self.digits}f}"
+        verdict = {True: "MET", False: "MISSED", None: "n/a"}[self.met]
+        return f"  {self.name + ' ' + op + ' ' + f'{self.bound:g}':<52}{value:>9}  {verdict}"
+
+
+def print_targets(targets: list[Target]) -> bool:
+    print("targets:")
+    for target in targets:
+        print(target.line())
+    return all(t.met is not False for t in targets)
+
+
+def rate(count: int, batch: Batch) -> float:
+    return count / len(batch.records) if batch.records else float("nan")
+
+
+def row(name: str, setup: str, batch: Batch, extra: list[str]) -> str:
+    n = len(batch.records)
+    deliveries = "?" if batch.received is None else f"{batch.received / n:.2f}"
+    cells = [setup, str(n), f"{batch.makespan:.2f}s", *extra]
+    cells += [f"{batch.retries / n:.3f}", deliveries, str(batch.over)]
+    return f"{name:<14}" + "".join(f"{c:>12}" for c in cells)
+
+
+def header(name: str, columns: list[str]) -> None:
+    line = f"{name:<14}" + "".join(f"{c:>12}" for c in columns)
+    print(line)
+    print("-" * len(line))
+
+
+# -- the ideal ----------------------------------------------------------------------------------
+
+
+def ideal_schedule(
+    sent: list[float], keys: list[str], slots: int, limit: int, duration: float
+) -> list[float]:
+    """Start times under a work-conserving FIFO dispatcher (earliest-sent runnable task first)."""
+    n = len(sent)
+    order = sorted(range(n), key=lambda i: sent[i])
+    start = [0.0] * n
+    running: list[tuple[float, int]] = []  # (end, task)
+    per_key: Counter[str] = Counter()
+    pending: list[int] = []
+    now = 0.0
+    nxt = 0
+    while nxt < n or pending or running:
+        while nxt < n and sent[order[nxt]] <= now:
+            pending.append(order[nxt])
+            nxt += 1
+        started = True
+        while started and len(running) < slots:
+            started = False
+            for j, i in enumerate(pending):
+                if per_key[keys[i]] < limit:
+                    start[i] = now
+                    per_key[keys[i]] += 1
+                    heapq.heappush(running, (now + duration, i))
+                    del pending[j]
+                    started = True
+                    break
+        events = [running[0][0]] if running else []
+        if nxt < n:
+            events.append(sent[order[nxt]])
+        if not events:
+            break
+        now = min(events)
+        while running and running[0][0] <= now:
+            _, i = heapq.heappop(running)
+            per_key[keys[i]] -= 1
+    return start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def part(batch: Batch, keys: set[str], received: int | None = None) -> Batch:
+    """The tasks of ``batch`` for ``keys`` (``received``: their delivery count, if known)."""
+    sent = [s for s, k in zip(batch.sent, batch.keys, strict=True) if k in keys]
+    return Batch(batch.tag, sent, [k for k in batch.keys if k in keys], batch.of(keys), 0, received)
+
+
+# -- backlog --------------------------------------------------------------------------------------
+
+
+def backlog(bench: Bench) -> bool:
+    """One hot key's deep line, against the same tasks unguarded on a worker sized to the limit."""
+    a = bench.args
+    n, d, limit = scaled(a.backlog_tasks, a.scale), a.backlog_duration, a.backlog_limit
+    print(
+        f"{n} tasks x {d * 1000:g} ms on one key, limit {limit}, prefetch {a.prefetch}; "
+        f"baseline: the same tasks unguarded on a dedicated worker -c {limit}"
+    )
+    base = run_batch(
+        bench, "plain", "baseline", ["b-hot"] * n, d, workers=1, concurrency=limit, limit=limit
+    )
+    phases = {"guarded": BACKLOG_GUARDED, "spread": BACKLOG_SPREAD}
+    runs = {"baseline": ((1, limit), base)}
+    for tag, (workers, concurrency) in phases.items():
+        keys = [f"{tag[0]}-hot"] * n
+        runs[tag] = (
+            (workers, concurrency),
+            run_batch(
+                bench, "fair", tag, keys, d, workers=workers, concurrency=concurrency, limit=limit
+            ),
+        )
+    others = [f"other-{i}" for i in range(a.others)]
+    workers, concurrency = BACKLOG_GUARDED
+    hol = run_batch(
+        bench,
+        "fair",
+        "hol",
+        ["h-hot"] * n + others,
+        d,
+        workers=workers,
+        concurrency=concurrency,
+        limit=limit,
+    )
+    burst_received = None if hol.received is None else hol.received - len(others)
+    runs["hol burst"] = ((workers, concurrency), part(hol, {"h-hot"}, burst_received))
+    late = part(hol, set(others))
+
+    columns = ["workers", "tasks", "makespan", "ideal", "pace", "re-pub/task", "deliv/task"]
+    header("phase", [*columns, "over"])
+    for name, ((workers, concurrency), batch) in runs.items():
+        ideal = len(batch.records) * batch.body / limit
+        pace = base.makespan / batch.makespan
+        extra = [f"{ideal:.2f}s", f"{pace:.2f}"]
+        print(row(name, f"{workers} x c{concurrency}", batch, extra))
+    late_done = late.makespan
+    waits = [r["start"] - r["sent"] for r in late.records]
+    print(
+        f"head-of-line: {len(others)} tasks x {d * 1000:g} ms for {len(others)} other keys, "
+        f"sent after the {n}-deep burst: all done {late_done:.2f}s after the first was sent "
+        f"(wait p50 {percentile(waits, 0.5):.2f}s, max {max(waits):.2f}s; "
+        f"re-pub/task {late.retries / len(late.records):.3f})"
+    )
+    targets = []
+    for tag in phases:
+        batch = runs[tag][1]
+        targets.append(Target(f"pace {tag}/baseline", base.makespan / batch.makespan, 0.9))
+        targets.append(
+            Target(f"re-publishes per task ({tag})", rate(batch.retries, batch), 0.1, True, 3)
+        )
+    over = sum(batch.over for _, batch in runs.values()) + hol.over
+    targets.append(Target("over-admissions (all phases)", over, 0, True, 0))
+    targets.append(Target(f"{len(others)} other keys' tasks done within (s)", late_done, 1.0, True))
+    return print_targets(targets)
+
+
+# -- uncontended ----------------------------------------------------------------------------------
+
+
+def uncontended(bench: Bench) -> bool:
+    """Tiny tasks over many keys (round robin: no key ever contended), guarded and plain."""
+    a = bench.args
+    n = scaled(a.uncontended_tasks, a.scale)
+    k = min(n, scaled(a.uncontended_keys, a.scale))
+    d, (workers, concurrency) = a.uncontended_duration, UNCONTENDED_WORKERS
+    keys = [f"u{i % k}" for i in range(n)]
+    print(
+        f"{n} tasks x {d * 1000:g} ms over {k} keys (round robin), limit {UNCONTENDED_LIMIT}, "
+        f"{workers} worker x c{concurrency}, prefetch {a.prefetch}"
+    )
+    batches = {
+        mode: run_batch(
+            bench,
+            mode,
+            mode,
+            keys,
+            d,
+            workers=workers,
+            concurrency=concurrency,
+            limit=UNCONTENDED_LIMIT,
+        )
+        for mode in ("fair", "plain")
+    }
+    header("mode", ["workers", "tasks", "makespan", "tasks/s", "re-pub/task", "deliv/task", "over"])
+    for mode, batch in batches.items():
+        extra = [f"{n / batch.makespan:.1f}"]
+        print(row(mode, f"{workers} x c{concurrency}", batch, extra))
+    fair, plain = batches["fair"], batches["plain"]
+    return print_targets(
+        [
+            Target("throughput guarded/plain", plain.makespan / fair.makespan, 0.95),
+            Target("over-admissions", fair.over, 0, True, 0),
+        ]
+    )
+
+
+# -- mixed (and the classic run) ------------------------------------------------------------------
+
+
+@dataclass
+class Versus:
+    """A mode's run against the ideal FIFO dispatcher for the same send times."""
+
+    batch: Batch
+    ideal_makespan: float
+    p50: float
+    p99: float
+    ideal_p50: float
+    ideal_p99: float
+
+    @property
+    def utilization(self) -> float:
+        return self.ideal_makespan / self.batch.makespan
+
+    @property
+    def p99_ratio(self) -> float | None:
+        return None if self.ideal_p99 < IDEAL_P99_FLOOR else self.p99 / self.ideal_p99
+
+
+def versus_ideal(batch: Batch, slots: int, limit: int) -> Versus:
+    t0 = min(batch.sent)
+    waits = [r["start"] - r["sent"] for r in batch.records]
+    sent = [s - t0 for s in batch.sent]
+    ideal_start = ideal_schedule(sent, batch.keys, slots, limit, batch.body)
+    ideal_waits = [start - s for start, s in zip(ideal_start, sent, strict=True)]
+    return Versus(
+        batch=batch,
+        ideal_makespan=max(ideal_start) + batch.body,
+        p50=percentile(waits, 0.5),
+        p99=percentile(waits, 0.99),
+        ideal_p50=percentile(ideal_waits, 0.5),
+        ideal_p99=percentile(ideal_waits, 0.99),
+    )
+
+
+def mixed(bench: Bench) -> bool:
+    """Today's default run: short tasks over a few keys, every mode on its own fresh workers."""
+    a = bench.args
+    n, slots = scaled(a.tasks, a.scale), a.workers * a.concurrency
+    rng = random.Random(a.seed)
+    keys = [f"k{rng.randrange(a.keys)}" for _ in range(n)]
+    print(
+        f"{n} tasks x {a.duration * 1000:g} ms, {a.keys} keys, limit {a.limit}, "
+        f"{a.workers} workers x {a.concurrency} slots ({slots}), prefetch {a.prefetch}"
+    )
+    results = {}
+    for mode in a.modes:
+        batch = run_batch(
+            bench,
+            mode,
+            mode,
+            keys,
+            a.duration,
+            workers=a.workers,
+            concurrency=a.concurrency,
+            limit=a.limit,
+        )
+        results[mode] = versus_ideal(batch, slots, a.limit)
+    columns = ["makespan", "ideal", "util", "p50 wait", "p99 wait", "ideal p50", "ideal p99"]
+    columns += ["p99/ideal", "over", "re-pub/task", "deliv/task"]
+    line = f"{'mode':<6}" + "".join(f"{c:>12}" for c in columns)
+    print(line)
+    print("-" * len(line))
+    for mode, r in results.items():
+        b = r.batch
+        cells = [f"{b.makespan:.2f}s", f"{r.ideal_makespan:.2f}s", f"{r.utilization:.2f}"]
+        cells += [f"{v:.3f}s" for v in (r.p50, r.p99, r.ideal_p50, r.ideal_p99)]
+        cells += ["n/a" if r.p99_ratio is None else f"{r.p99_ratio:.2f}", str(b.over)]
+        deliveries = "?" if b.received is None else f"{b.received / len(b.records):.2f}"
+        cells += [f"{rate(b.retries, b):.3f}", deliveries]
+        print(f"{mode:<6}" + "".join(f"{c:>12}" for c in cells))
+    fair = results.get("fair")
+    if fair is None:
+        return True
+    targets = [Target("fair utilization", fair.utilization, 0.9)]
+    if "plain" in results:
+        ratio = fair.utilization / results["plain"].utilization
+        targets.append(Target("fair utilization / plain's", ratio, 0.95))
+    targets.append(Target("fair p99 wait / ideal p99", fair.p99_ratio, 1.5, True))
+    targets.append(Target("over-admissions (fair)", fair.batch.over, 0, True, 0))
+    return print_targets(targets)
+
+
+SCENARIOS: dict[str, Callable[[Bench], bool]] = {
+    "backlog": backlog,
+    "uncontended": uncontended,
+    "mixed": mixed,
+}
+
+
+# -- running --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def open_bench(server: BenchServer, broker: Broker, args: argparse.Namespace) -> Iterator[Bench]:
+    """A scenario's run: its own prefix, queue and app; everything of it deleted afterwards."""
+    prefix = unique_prefix()
+    client = redis.Redis.from_url(server.url)
+    app = make_app(server.url, prefix, args.limit, args.naive_countdown, args.settings, broker.url)
+    try:
+        yield Bench(app, client, server.url, broker, prefix, args)
+    finally:
+        if not broker.is_redis:
+            drop_queue(app, prefix)
+        app.close()
+        delete_prefix(client, prefix)
+        client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every scenario in ``args.names`` on every broker in ``args.brokers``; 1 if one failed."""
+    with contextlib.suppress(AttributeError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    verdicts: list[str] = []
+    with bench_server() as server:
+        embedded = ", embedded" if server.embedded else ""
+        for name in args.brokers:
+            if name == "redis":
+                broker: Broker | str = Broker("redis", server.url, server.version + embedded)
+            else:
+                broker = amqp_broker(args.amqp_url)
+            if isinstance(broker, str):
+                print(f"\n[{name}] skipped: {broker}")
+                verdicts.append(f"{name}: skipped")
+                continue
+            for scenario in args.names:
+                print(f"\n== {scenario} [broker {broker.name}] ==")
+                print(host_line(broker, server.version + embedded))
+                try:
+                    with open_bench(server, broker, args) as bench:
+                        verdict = "MET" if SCENARIOS[scenario](bench) else "MISSED"
+                except Exception as exc:
+                    traceback.print_exc()
+                    verdict = f"FAILED ({exc})"
+                print(f"{scenario} [{broker.name}]: {verdict}")
+                verdicts.append(f"{scenario} [{broker.name}]: {verdict}")
+    print("\nsummary: " + "; ".join(verdicts))
+    return 1 if any("FAILED" in v for v in verdicts) else 0
