@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,dev,docs,demo]'
+	$(PY) -m pip install --quiet -e '.[test,dev,docs,demo,metrics]'
 	touch $(STAMP)
 
 test: lint types pytest docs

@@ -13,7 +13,9 @@ from typing import Any as _Any
 
 from celery_redsem.core.errors import (
     AcquireTimeout,
+    AlreadyQueued,
     BackendError,
+    Busy,
     ConfigurationError,
     KeyFunctionError,
     NotEnoughReplicas,
@@ -29,13 +31,19 @@ from celery_redsem.core.permits import (
     WaiterInfo,
     Waiting,
 )
+from celery_redsem.core.rate_limit import RateLimiter, RateResult, RateState
 from celery_redsem.core.refresh import refresh_permits
 from celery_redsem.core.semaphore import FairSemaphore, Lock
 from celery_redsem.core.state import read_state
 
 if _TYPE_CHECKING:
     from celery_redsem.integration.config import RedsemConfig, get_client, get_config
-    from celery_redsem.integration.decorators import current_permit, with_lock, with_semaphore
+    from celery_redsem.integration.decorators import (
+        current_permit,
+        with_lock,
+        with_rate_limit,
+        with_semaphore,
+    )
 
 __version__ = "0.1.0"
 
@@ -47,6 +55,7 @@ _CELERY_NAMES = {
     "get_config": "celery_redsem.integration.config",
     "current_permit": "celery_redsem.integration.decorators",
     "with_lock": "celery_redsem.integration.decorators",
+    "with_rate_limit": "celery_redsem.integration.decorators",
     "with_semaphore": "celery_redsem.integration.decorators",
 }
 
@@ -66,7 +75,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AcquireTimeout",
+    "AlreadyQueued",
     "BackendError",
+    "Busy",
     "ConfigurationError",
     "FairSemaphore",
     "HeldPermit",
@@ -76,6 +87,9 @@ __all__ = [
     "NotEnoughReplicas",
     "Permit",
     "PermitLost",
+    "RateLimiter",
+    "RateResult",
+    "RateState",
     "RedsemConfig",
     "RedsemError",
     "RefreshResult",
@@ -89,5 +103,6 @@ __all__ = [
     "read_state",
     "refresh_permits",
     "with_lock",
+    "with_rate_limit",
     "with_semaphore",
 ]

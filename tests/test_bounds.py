@@ -15,7 +15,7 @@ import redis
 from celery_redsem import ConfigurationError, FairSemaphore, Lock, Permit, PermitLost, Waiting
 from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.scripts import ACQUIRE, REFRESH
-from celery_redsem.core.semaphore import _back_in
+from celery_redsem.core.semaphore_spec import back_in_seconds as _back_in
 from celery_redsem.core.validation import MAX_COUNT, MAX_SECONDS, SECONDS_OR_ZERO
 
 ABSURD = [1e16, float(sys.maxsize), sys.maxsize]

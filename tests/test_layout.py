@@ -1,6 +1,7 @@
-"""The package's layout holds: the core imports without Celery, no import circle among the
-package's modules (lazy and type-checking imports included), no module over 500 lines, and
-:class:`Lock` takes exactly :class:`FairSemaphore`'s options. No server needed.
+"""The package's layout holds: the core (and the asyncio package) imports without Celery, no
+import circle among the package's modules (lazy and type-checking imports included), no module
+over 500 lines, and each :class:`Lock` takes exactly its :class:`FairSemaphore`'s options. No
+server needed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import redis
 
+from celery_redsem.asyncio import FairSemaphore as AsyncFairSemaphore
+from celery_redsem.asyncio import Lock as AsyncLock
 from celery_redsem.core.semaphore import FairSemaphore, Lock, SemaphoreOptions
+from celery_redsem.core.semaphore_spec import COMMON_DEFAULTS, CommonOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "celery_redsem"
@@ -90,8 +94,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+#: Packages that must work without Celery: the core, and the asyncio semaphore built on it.
+CELERY_FREE = ("celery_redsem.core", "celery_redsem.asyncio")
+
+
 def test_the_core_imports_without_celery():
-    core = sorted(name for name in MODULES if name.startswith("celery_redsem.core"))
+    core = sorted(name for name in MODULES if name.startswith(CELERY_FREE))
+    assert "celery_redsem.asyncio.semaphore" in core
     code = (
         "import importlib, sys\n"
         f"for name in {core!r}:\n"
@@ -112,6 +121,15 @@ def test_the_core_imports_only_the_core():
         name: sorted(t for t in imports_of(name) if not t.startswith("celery_redsem.core"))
         for name in MODULES
         if name.startswith("celery_redsem.core")
+    }
+    assert {name: found for name, found in outside.items() if found} == {}
+
+
+def test_the_asyncio_package_imports_only_itself_and_the_core():
+    outside = {
+        name: sorted(t for t in imports_of(name) if not t.startswith(CELERY_FREE))
+        for name in MODULES
+        if name.startswith("celery_redsem.asyncio")
     }
     assert {name: found for name, found in outside.items() if found} == {}
 
@@ -152,6 +170,20 @@ def test_lock_takes_exactly_the_semaphores_options():
     assert options == {name: hints[name] for name in options}
     lock_params = list(inspect.signature(Lock.__init__).parameters)
     assert lock_params == ["self", "client", "name", "options"]
+
+
+def test_the_asyncio_semaphore_and_lock_take_the_common_options():
+    def keyword_only(function: typing.Callable[..., object]) -> list[str]:
+        params = inspect.signature(function).parameters.values()
+        return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+    options = typing.get_type_hints(CommonOptions)
+    assert list(options) == [n for n in SemaphoreOptions.__annotations__ if n in options]
+    sync_defaults = inspect.signature(FairSemaphore.__init__).parameters
+    assert {n: sync_defaults[n].default for n in options} == COMMON_DEFAULTS
+    params = ["self", "client", "name", "limit", "options"]
+    assert list(inspect.signature(AsyncFairSemaphore.__init__).parameters) == params
+    assert list(inspect.signature(AsyncLock.__init__).parameters) == params[:3] + params[4:]
 
 
 def test_lock_passes_each_option_on():

@@ -8,6 +8,8 @@ Every exception derives from :class:`RedsemError`, so one ``except RedsemError``
     ├── BackendError            Redis failed or could not be reached
     │   └── NotEnoughReplicas   min_replicas asked for more replicas than the primary has
     ├── AcquireTimeout          no permit within the allowed wait
+    ├── Busy                    on_busy="fail": the key was busy, so the run failed at once
+    ├── AlreadyQueued           dedupe="raise": a run for the key is already queued or running
     └── PermitLost              a held permit expired or was taken away
 
 Each carries the semaphore name (and permit id where one exists) so a log line says which
@@ -21,7 +23,9 @@ import redis.exceptions as redis_errors
 __all__ = [
     "REDIS_ERRORS",
     "AcquireTimeout",
+    "AlreadyQueued",
     "BackendError",
+    "Busy",
     "ConfigurationError",
     "KeyFunctionError",
     "NotEnoughReplicas",
@@ -45,7 +49,8 @@ class ConfigurationError(RedsemError, ValueError):
 
 
 class KeyFunctionError(ConfigurationError):
-    """A task's ``key`` callable raised, or returned something that is not a usable name."""
+    """A task's ``key`` (or ``limit``) callable raised, or returned something that is not a
+    usable name (or limit)."""
 
 
 class BackendError(RedsemError):
@@ -74,6 +79,21 @@ class NotEnoughReplicas(BackendError):
 
 class AcquireTimeout(RedsemError):
     """No permit was granted within the allowed time."""
+
+
+class Busy(RedsemError):
+    """A task with ``on_busy="fail"`` found its key busy (no permit free): it did not run."""
+
+
+class AlreadyQueued(RedsemError):
+    """A task with ``dedupe="raise"`` was sent while a run for its key is queued or running.
+
+    ``task_id`` is that run's id (``AsyncResult(exc.task_id)`` follows it).
+    """
+
+    def __init__(self, message: str, *, name: str | None = None, task_id: str | None = None):
+        super().__init__(message, name=name, permit_id=task_id)
+        self.task_id = task_id
 
 
 class PermitLost(RedsemError):

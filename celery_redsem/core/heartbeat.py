@@ -45,6 +45,7 @@ from typing import Any
 
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, PermitLost
+from celery_redsem.core.lease_events import notify_loss
 from celery_redsem.core.permits import Permit
 from celery_redsem.core.refresh import refresh_permits
 
@@ -362,6 +363,7 @@ def _log_loss(held: HeldPermit, why: str) -> None:
         held.token,
         why,
     )
+    notify_loss(held)
 
 
 class _Refreshers:

@@ -78,6 +78,11 @@ class SemaphoreKeys:
         return f"{self.base}:wdue"
 
     @property
+    def dedupe(self) -> str:
+        """Hash: the task run a de-duplicated name is marked for (:mod:`.marks`)."""
+        return f"{self.base}:dedupe"
+
+    @property
     def wake_prefix(self) -> str:
         """Prefix of the per-waiter wake-up lists (``<wake_prefix><permit id>``)."""
         return f"{self.base}:wake:"
@@ -85,6 +90,17 @@ class SemaphoreKeys:
     def wake(self, permit_id: str) -> str:
         """The list a blocked waiter pops to be told that a permit may be free."""
         return self.wake_prefix + permit_id
+
+    @property
+    def rate(self) -> str:
+        """Hash of the rate limiter of this name: its theoretical arrival time (``tat``, server
+        microseconds), ``interval`` and ``burst`` (see ``gcra.lua``)."""
+        return f"{self.base}:rate"
+
+    @property
+    def rate_line(self) -> str:
+        """Sorted set of the rate limiter: permit id -> its slot (server microseconds)."""
+        return f"{self.base}:rate:line"
 
     @property
     def all(self) -> list[str]:
@@ -99,6 +115,11 @@ class SemaphoreKeys:
         Every semaphore that holds or waits, or did within its idle TTL, has this key.
         """
         return f"{prefix}:{{{name_pattern}}}:holders"
+
+    @classmethod
+    def rate_scan_pattern(cls, prefix: str, name_pattern: str = "*") -> str:
+        """A SCAN pattern matching the ``rate`` key of every rate limiter whose name matches."""
+        return f"{prefix}:{{{name_pattern}}}:rate"
 
     @classmethod
     def name_from_key(cls, prefix: str, key: str) -> str | None:

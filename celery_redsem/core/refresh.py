@@ -18,6 +18,7 @@ from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 from celery_redsem.core.node_batch import Call, run_on_nodes
 from celery_redsem.core.permits import Permit, RefreshResult
 from celery_redsem.core.scripts import REFRESH, run_script, script_failed
+from celery_redsem.core.semaphore_spec import refresh_args, renewed
 from celery_redsem.core.validation import SECONDS
 
 __all__ = ["REFRESH_CHUNK", "refresh_permits"]
@@ -61,7 +62,7 @@ def refresh_permits(
         args: list[Any] = [idle_ms]
         for permit in part:
             keys.append(permit.keys.holders)
-            args += [permit.id, str(permit.token), to_ms(permit.lease)]
+            args += refresh_args(permit)
         calls.append((keys, args))
     if len(calls) == 1:
         replies: list[Any] = [run_script(REFRESH, client, *calls[0], batch[0].name)]
@@ -81,19 +82,11 @@ def refresh_permits(
                 first_error.__cause__ = reply
             continue
         for permit, expires_at in zip(part, reply, strict=True):
-            if int(expires_at) > 0:
-                refreshed.append(
-                    Permit(
-                        permit.id,
-                        permit.name,
-                        permit.token,
-                        int(expires_at),
-                        permit.lease,
-                        permit.prefix,
-                    )
-                )
-            else:
+            fresh = renewed(permit, expires_at)
+            if fresh is None:
                 lost.append(permit)
+            else:
+                refreshed.append(fresh)
     if first_error is not None and len(failed) == len(batch):
         raise first_error  # no permit could be refreshed
     return RefreshResult(refreshed, lost, failed, first_error)

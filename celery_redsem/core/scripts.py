@@ -27,11 +27,13 @@ from celery_redsem.core.keys import SemaphoreKeys
 
 __all__ = [
     "ACQUIRE",
+    "DEDUPE",
     "REFRESH",
     "RELEASE",
     "STATE",
     "LuaScript",
     "as_text",
+    "declared_keys",
     "run_script",
     "script_failed",
     "script_keys",
@@ -99,6 +101,9 @@ ACQUIRE = LuaScript("acquire.lua")
 RELEASE = LuaScript("release.lua")
 REFRESH = LuaScript("refresh.lua")
 STATE = LuaScript("state.lua")
+GCRA = LuaScript("gcra.lua")
+RATE_STATE = LuaScript("rate_state.lua")
+DEDUPE = LuaScript("dedupe.lua")
 
 
 def script_keys(client: RedisClient, keys: SemaphoreKeys) -> list[str]:
@@ -106,7 +111,12 @@ def script_keys(client: RedisClient, keys: SemaphoreKeys) -> list[str]:
     derive the others, which share its hash tag; fewer arguments, a shorter call on every task
     start and end); on Redis Cluster all four, so that while their slot migrates Redis
     redirects the call (``ASK``, ``TRYAGAIN``) instead of running it on half the keys."""
-    if isinstance(client, RedisCluster):
+    return declared_keys(keys, cluster=isinstance(client, RedisCluster))
+
+
+def declared_keys(keys: SemaphoreKeys, *, cluster: bool) -> list[str]:
+    """:func:`script_keys` for a client that is a cluster (sync or asyncio) or is not."""
+    if cluster:
         return [keys.holders, keys.waiters, keys.waiter_expiry, keys.waiter_due]
     return [keys.holders]
 

@@ -9,11 +9,10 @@ Usable without Celery::
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import NoScriptError
 
@@ -30,16 +29,13 @@ from celery_redsem.core.client import (
 )
 from celery_redsem.core.errors import (
     REDIS_ERRORS,
-    AcquireTimeout,
     BackendError,
     ConfigurationError,
     NotEnoughReplicas,
-    PermitLost,
 )
 from celery_redsem.core.heartbeat import Heartbeat, HeldPermit, get_heartbeat
-from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from celery_redsem.core.keys import DEFAULT_PREFIX
 from celery_redsem.core.lane import executor_for
-from celery_redsem.core.permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
 from celery_redsem.core.permits import HolderInfo, Permit, SemaphoreState, WaiterInfo, Waiting
 from celery_redsem.core.refresh import refresh_permits
 from celery_redsem.core.replication import connected_replicas, forget_primary, run_acknowledged
@@ -51,8 +47,9 @@ from celery_redsem.core.scripts import (
     script_failed,
     script_keys,
 )
+from celery_redsem.core.semaphore_spec import CommonOptions, SemaphoreSpec, naming
 from celery_redsem.core.state import read_state
-from celery_redsem.core.validation import LIMIT, SECONDS, SECONDS_OR_ZERO, count_rule
+from celery_redsem.core.validation import SECONDS, count_rule
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack
@@ -64,35 +61,7 @@ _REPLICAS = count_rule(minimum=0)
 RENEWED = ":renewed"  # acquire.lua marks a renewal with this suffix when asked to
 
 
-def _back_in(back_in: object, waiter_lease: float) -> float:
-    """``back_in`` in seconds if it is a duration (validation.py's rule) shorter than the
-    waiter lease, else a ConfigurationError."""
-    seconds: float = SECONDS_OR_ZERO.check(back_in, "back_in")
-    if seconds >= waiter_lease:
-        raise ConfigurationError(
-            f"back_in ({seconds}s) must be shorter than the waiter lease ({waiter_lease}s), "
-            "or the place in line lapses before the waiter is back"
-        )
-    return seconds
-
-
-def _naming(exc: BackendError, permit_id: str) -> None:
-    """Have ``exc`` carry ``permit_id`` if it names none yet."""
-    if exc.permit_id is None:
-        exc.permit_id = permit_id
-
-
-def _validate_permit_id(permit_id: object) -> str:
-    if not isinstance(permit_id, str) or not permit_id:
-        raise ConfigurationError(f"permit_id must be a non-empty str, got {permit_id!r}")
-    if permit_id.startswith(":"):
-        raise ConfigurationError(f"permit_id must not start with ':' (reserved), got {permit_id!r}")
-    if len(permit_id) > MAX_PERMIT_ID_LENGTH:
-        raise ConfigurationError(f"permit_id longer than {MAX_PERMIT_ID_LENGTH} characters")
-    return permit_id
-
-
-class FairSemaphore:
+class FairSemaphore(SemaphoreSpec):
     """At most ``limit`` holders at once per ``name``, across every process that uses the server.
 
     Waiters are served first come, first served; every grant carries a fencing token; leases are
@@ -137,24 +106,22 @@ class FairSemaphore:
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         self.client = validate_client(client)
-        self.name = validate_name(name)
-        self.limit: int = LIMIT.check(limit, "limit", name=name)
-        self.lease = SECONDS.check(lease, "lease")
-        self.waiter_lease = SECONDS.check(
-            self.lease if waiter_lease is None else waiter_lease, "waiter_lease"
+        self.min_replicas: int = _REPLICAS.check(min_replicas, "min_replicas", name=name)
+        super().__init__(
+            name,
+            limit,
+            lease=lease,
+            waiter_lease=waiter_lease,
+            idle_ttl=idle_ttl,
+            prefix=prefix,
+            clock=clock,
+            mark_renewals=self.min_replicas > 0,
         )
-        self.idle_ttl = SECONDS.check(idle_ttl, "idle_ttl")
-        self.keys = SemaphoreKeys(validate_prefix(prefix), self.name)
-        self._clock = clock
         self._keys = script_keys(self.client, self.keys)
         # acquire and release go over the client's lane (lane.py), sparing a pool checkout.
         self._execute = executor_for(self.client)
         # EVALSHA's numkeys and keys, encoded once, not on every call.
         self._key_args = (str(len(self._keys)).encode(), *(k.encode() for k in self._keys))
-        self._prefix = self.keys.prefix
-        self._lease_ms = to_ms(self.lease)
-        self._idle_ms = to_ms(self.idle_ttl)
-        self.min_replicas: int = _REPLICAS.check(min_replicas, "min_replicas", name=name)
         self.replica_timeout = SECONDS.check(replica_timeout, "replica_timeout")
         if min_replicas and self.replica_timeout > blocking_wait_cap(self.client):
             raise ConfigurationError(
@@ -164,13 +131,6 @@ class FairSemaphore:
                 "grant held; shorten replica_timeout or lengthen socket_timeout",
                 name=name,
             )
-        # Settings that never change, formatted once (acquire runs on every task start); each
-        # call appends the permit id.
-        self._settings_try = self._settings(self.waiter_lease, join_line=False)
-        self._settings_join = self._settings(self.waiter_lease, join_line=True)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r} limit={self.limit} lease={self.lease}s>"
 
     # -- acquiring -----------------------------------------------------------------------------
 
@@ -197,25 +157,19 @@ class FairSemaphore:
         when none was given): the request may have been granted with its reply lost, and
         releasing that id frees the permit.
         """
-        pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
+        pid = self._permit_id(permit_id)
         try:
-            if waiter_lease is not None or back_in:
-                lease = self.waiter_lease if waiter_lease is None else waiter_lease
-                settings = self._settings(
-                    SECONDS.check(lease, "waiter_lease"), join_line, _back_in(back_in, lease)
-                )
-            else:
-                settings = self._settings_join if join_line else self._settings_try
+            arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
             if self.min_replicas:
-                return self._attempt_acknowledged(pid, [settings + pid])
+                return self._attempt_acknowledged(pid, [arg])
             # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two
             # calls); _retry handles NOSCRIPT and errors.
             try:
-                reply = self._execute("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, settings + pid)
+                reply = self._execute("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, arg)
             except REDIS_ERRORS as exc:
-                reply = self._retry(ACQUIRE, exc, settings + pid)
+                reply = self._retry(ACQUIRE, exc, arg)
         except BackendError as exc:
-            _naming(exc, pid)
+            naming(exc, pid)
             raise
         return self._result(pid, reply)
 
@@ -228,27 +182,6 @@ class FairSemaphore:
             return script.load_and_call(self.client, self._keys, args)
         except REDIS_ERRORS as error:
             raise script_failed(script, self.name, error) from error
-
-    def _result(self, pid: str, reply: Any) -> Permit | Waiting:
-        """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""
-        if type(reply) is str:  # decode_responses=True
-            reply = reply.encode()
-        if type(reply) is bytes:
-            token, _, expires_at = reply.partition(b":")
-            return Permit(pid, self.name, int(token), int(expires_at), self.lease, self._prefix)
-        position, expires_at = reply
-        return Waiting(pid, self.name, int(position), int(expires_at))
-
-    def _settings(self, waiter_lease: float, join_line: bool, back_in: float = 0.0) -> str:
-        """acquire.lua's ARGV[1] up to the permit id: ``limit:lease:waiter lease:idle ttl:join:
-        back in[:1]|`` (ms; with ``min_replicas``, ``:1`` asks to mark a renewal)."""
-        join = 1 if join_line else 0
-        back = math.ceil(back_in * 1000)
-        mark = ":1" if self.min_replicas else ""
-        return (
-            f"{self.limit}:{self._lease_ms}:{to_ms(waiter_lease)}:{self._idle_ms}:{join}:{back}"
-            f"{mark}|"
-        )
 
     def _attempt_acknowledged(self, pid: str, args: list[Any]) -> Permit | Waiting:
         """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is not used."""
@@ -307,32 +240,23 @@ class FairSemaphore:
         (``None``: no limit). A blocking caller that gives up leaves the line. A
         :class:`BackendError` carries the permit id, as in :meth:`attempt`.
         """
+        deadline = self._deadline(blocking, timeout)
         if not blocking:
-            if timeout is not None:
-                raise ConfigurationError("timeout only applies to blocking=True", name=self.name)
             result = self.attempt(permit_id)
             return result if isinstance(result, Permit) else None
-        if timeout is not None:
-            timeout = float(timeout)
-            if not timeout >= 0:
-                raise ConfigurationError(
-                    f"timeout must be >= 0 seconds, or None to wait without limit; got {timeout}",
-                    name=self.name,
-                )
-        pid = new_permit_id() if permit_id is None else _validate_permit_id(permit_id)
-        deadline = None if timeout is None else self._clock() + timeout
+        pid = self._permit_id(permit_id)
         try:
             while True:
                 result = self.attempt(pid, join_line=True)
                 if isinstance(result, Permit):
                     return result
-                remaining = math.inf if deadline is None else deadline - self._clock()
-                if remaining <= 0:
+                wait = self._next_wait(deadline)
+                if wait is None:
                     self.release(pid)
                     return None
-                self._wait_for_wake(pid, min(remaining, self.waiter_lease / 3))
+                self._wait_for_wake(pid, wait)
         except BackendError as exc:
-            _naming(exc, pid)
+            naming(exc, pid)
             raise
 
     @contextmanager
@@ -363,11 +287,7 @@ class FairSemaphore:
                     self.release(exc.permit_id)
             raise
         if permit is None:
-            raise AcquireTimeout(
-                f"no permit of {self.name!r} (limit {self.limit}) within {timeout}s",
-                name=self.name,
-                permit_id=permit_id,
-            )
+            raise self._timed_out(timeout, permit_id)
         held = self._keep_alive(permit) if keep_alive else None
         released = False
         try:
@@ -377,12 +297,7 @@ class FairSemaphore:
                 held[0].untrack(held[1])  # before the release, so it is not reported lost
             released = self.release(permit)
         if not released or (held is not None and held[1].lost):
-            raise PermitLost(
-                f"permit {permit.id!r} of {self.name!r} was lost before the block ended (lease "
-                f"{self.lease}s{'' if keep_alive else ' with no keep_alive'})",
-                name=self.name,
-                permit_id=permit.id,
-            )
+            raise self._lost_in_block(permit, keep_alive)
 
     def _keep_alive(self, permit: Permit) -> tuple[Heartbeat, HeldPermit]:
         """Have this process's heartbeat thread refresh ``permit`` until untracked."""
@@ -411,35 +326,22 @@ class FairSemaphore:
         how a worker's main process frees a task's permit after the child died.
         Returns True if a permit or a place in line was given up.
         """
-        if isinstance(permit, Permit):
-            self._check_same_semaphore(permit)
-            arg = f"{permit.token}:{permit.id}"
-        else:
-            arg = ":" + _validate_permit_id(permit)
+        arg = self._release_arg(permit)
         try:  # as in attempt(): EVALSHA sent over the lane, on every task end
             reply = self._execute("EVALSHA", RELEASE.sha_bytes, *self._key_args, arg)
         except REDIS_ERRORS as exc:
             reply = self._retry(RELEASE, exc, arg)
         return int(reply) > 0
 
-    def refresh(self, permit: Permit) -> Permit:
-        """Extend a held permit's lease; raise :class:`PermitLost` if it is no longer held."""
-        self._check_same_semaphore(permit)
+    def refresh(self, permit: Permit, *, lease: float | None = None) -> Permit:
+        """Extend a held permit's lease (by ``lease`` seconds from now if given, else by its
+        own); raise :class:`PermitLost` if it is no longer held. The returned permit carries
+        the lease it was extended by, so refreshing it again keeps that lease."""
+        permit = self._to_refresh(permit, lease)
         result = refresh_permits(self.client, [permit], idle_ttl=self.idle_ttl)
         if result.lost:
-            raise PermitLost(
-                f"permit {permit.id!r} of {self.name!r} was lost (lease expired or released)",
-                name=self.name,
-                permit_id=permit.id,
-            )
+            raise self._lost(permit)
         return result.refreshed[0]
-
-    def _check_same_semaphore(self, permit: Permit) -> None:
-        if permit.name != self.name or permit.prefix != self._prefix:
-            raise ConfigurationError(
-                f"permit {permit.id!r} belongs to {permit.name!r}, not {self.name!r}",
-                name=self.name,
-            )
 
     # -- looking -------------------------------------------------------------------------------
 
@@ -455,16 +357,15 @@ class FairSemaphore:
         """Live waiters in the order they will be served."""
         return self.state().waiters
 
+    def locked(self) -> bool:
+        """True if any permit is held right now (a live holder, on the server's clock)."""
+        return bool(self.holders())
 
-class SemaphoreOptions(TypedDict, total=False):
+
+class SemaphoreOptions(CommonOptions, total=False):
     """:class:`FairSemaphore`'s keyword options, for :class:`Lock` to take as they are (their
     defaults and meaning are FairSemaphore's; a test keeps the two lists equal)."""
 
-    lease: float
-    waiter_lease: float | None
-    idle_ttl: float
-    prefix: str
-    clock: Callable[[], float]
     min_replicas: int
     replica_timeout: float
 

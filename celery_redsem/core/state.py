@@ -10,15 +10,18 @@ from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name
 from celery_redsem.core.permits import HolderInfo, SemaphoreState, WaiterInfo
 from celery_redsem.core.scripts import STATE, as_text, run_script, script_keys
 
-__all__ = ["read_state"]
+__all__ = ["read_state", "state_from_reply"]
 
 
 def read_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> SemaphoreState:
     """Snapshot of the semaphore ``name`` without knowing its limit (the CLI uses this)."""
     keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
-    now, limit, fence, flat_holders, flat_waiters = run_script(
-        STATE, client, script_keys(client, keys), [], name
-    )
+    return state_from_reply(name, run_script(STATE, client, script_keys(client, keys), [], name))
+
+
+def state_from_reply(name: str, reply: Any) -> SemaphoreState:
+    """state.lua's reply for the semaphore ``name`` as a :class:`SemaphoreState`."""
+    now, limit, fence, flat_holders, flat_waiters = reply
     now = int(now)
     return SemaphoreState(
         name=name,

@@ -11,24 +11,28 @@ id, marked for a run its own retry queued; see
 * **Not granted**: the task is *parked* in the main process and its slot goes to the next task,
   so a contended task costs no slot time and no trip through the broker. Its place in line does
   not hold a free permit while it is parked (``back_in``), so nobody waits for it. It asks again
-  when its turn is expected (:func:`park_time`: its position times the hold time learnt from
-  tasks that finished on this worker, over the limit), or at once when a task of the same
-  semaphore finishes here, and then goes to the front of the slot queue.
+  when its turn is expected (:mod:`~celery_redsem.integration.parking`: its position times the
+  hold time learnt from tasks that finished on this worker, over the limit), or at once when a
+  task of the same semaphore finishes here (a release-driven wake-up of the first one parked),
+  and then goes to the front of the slot queue.
 
-A parked task widens the prefetch window by one, as an ETA task does, so the worker keeps
-fetching tasks it can run. At most a window's worth (concurrency x prefetch multiplier) are
-parked so; a task that finds the window widened that far goes to its child instead, which
-decides as without admission (most often: a retry through the broker with a countdown). Parked
-without widening, it would take a place of the window, and a window full of tasks for one busy
-key would stop the worker fetching the tasks behind them while its slots sat idle. A parked
-task stays reserved by the worker, unacknowledged: if the worker stops or loses its broker
-connection, the broker delivers the message again (a parked task from a lost connection is
-dropped, never run twice). One delivery is parked only until :data:`MAX_PARKED` seconds, and
-at most half the broker's ``visibility_timeout``, have passed since it reached the worker
-(time spent waiting for a slot counts: the broker's clock runs from delivery): then it goes to
-a child, which retries it through the broker (acknowledging this message) before the broker
-would deliver it a second time. Its total wait counts toward ``redsem_max_wait``; once that is
-spent it goes to a child, which fails it with :class:`~celery_redsem.AcquireTimeout`.
+A deep line costs a task O(1) round trips: one when it reaches the worker (which also tells
+Redis when the task will be back, guessed from the tasks parked here ahead of it), then one
+when it is woken or its turn is expected. A parked task widens the prefetch window by one, as
+an ETA task does, so the worker keeps fetching: a burst on one hot key is reserved by the
+worker, unacknowledged, instead of cycling through the broker, and tasks for other keys queued
+behind it reach a free slot at once. At most
+:data:`~celery_redsem.integration.parking.MAX_PARKED_TASKS` are parked per worker; past that a
+task goes to its child, which decides as without admission (most often: a retry through the
+broker with a countdown). If the worker stops or loses its broker connection, the broker
+delivers the parked messages again (a parked task from a lost connection is dropped, never run
+twice). One delivery is parked only until
+:data:`~celery_redsem.integration.parking.MAX_PARKED` seconds, and at most half the broker's
+``visibility_timeout``, have passed since it reached the worker (time spent waiting for a slot
+counts: the broker's clock runs from delivery): then it goes to a child, which retries it
+through the broker (acknowledging this message) before the broker would deliver it a second
+time. Its total wait counts toward ``redsem_max_wait``; once that is spent it goes to a child,
+which fails it with :class:`~celery_redsem.AcquireTimeout`.
 
 The key function runs here, in the event loop, before every dispatch of a guarded task: a
 task whose key function once takes longer than :data:`SLOW_KEY_FUNCTION` is left to the pool
@@ -49,7 +53,6 @@ import logging
 import time
 from collections import deque
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, bootsteps
@@ -60,9 +63,20 @@ from celery_redsem.core.errors import BackendError
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit
 from celery_redsem.integration.backoff import hold_times
-from celery_redsem.integration.config import get_config
+from celery_redsem.integration.config import RedsemConfig, get_config
 from celery_redsem.integration.handoff import clear_grant, hand_over
+from celery_redsem.integration.metrics import record_admission_grant, record_park, record_unpark
 from celery_redsem.integration.naming import call_arguments
+from celery_redsem.integration.parking import (
+    MAX_PARK,
+    MAX_PARKED,
+    MAX_PARKED_TASKS,
+    MIN_PARK,
+    Parked,
+    ParkedTasks,
+    park_time,
+)
+from celery_redsem.integration.rate_guard import RateGuard, rate_guards_of
 from celery_redsem.integration.task_guard import TaskGuard, guards_of
 from celery_redsem.integration.waiting import (
     WaitState,
@@ -79,7 +93,6 @@ __all__ = [
     "SLOW_KEY_FUNCTION",
     "Admission",
     "install_admission",
-    "park_time",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,45 +104,9 @@ _BLUEPRINT_RUNNING: int = bootsteps.RUN  # type: ignore[attr-defined]  # (not in
 #: than refuses) blocks the event loop for a socket timeout at each try.
 PAUSE_AFTER_ERROR = 5.0
 MAX_PAUSE_AFTER_ERROR = 60.0
-#: Bounds on how long a parked task waits before it asks again.
-MIN_PARK = 0.002
-MAX_PARK = 1.0
-#: Until a hold time of its task is known, a parked task asks again after this, doubling.
-FIRST_PARK = 0.01
-#: A parked task asks again a little before its turn is expected.
-EARLY = 0.8
-#: Seconds after its delivery a task may still be parked; then its child retries it through
-#: the broker.
-MAX_PARKED = 60.0
 #: A key function that takes longer than this (seconds) in the worker's main process, where
 #: it holds up every other task's dispatch, is left to the pool children from then on.
 SLOW_KEY_FUNCTION = 0.05
-
-
-def park_time(*, position: int, limit: int, hold: float | None, tries: int) -> float:
-    """Seconds a parked task at ``position`` waits before asking again.
-
-    About when ``position`` holders of ``hold`` seconds have left a ``limit`` semaphore, a
-    little early; until a hold time is known, :data:`FIRST_PARK` doubling with each try.
-    """
-    if hold is None:
-        return min(MAX_PARK, FIRST_PARK * 2.0 ** min(tries, 32))
-    return min(MAX_PARK, max(MIN_PARK, EARLY * position * hold / limit))
-
-
-@dataclass
-class _Parked:
-    """A request parked for its permit."""
-
-    req: Any
-    name: str
-    position: int
-    first_ms: int  # server ms when its wait began (-1: not waiting for a permit yet)
-    tries: int
-    connection: Any  # the consumer's broker connection when it was parked
-    received_at: float  # monotonic time this delivery reached the worker
-    timer: Any = None
-    qos: Any = None  # the consumer's prefetch window it widened, if it did
 
 
 class Admission:
@@ -138,8 +115,8 @@ class Admission:
     def __init__(self, controller: Any, app: Celery) -> None:
         self.controller = controller
         self.app = app
-        #: Parked requests, by request: two deliveries of one task id are parked apart.
-        self.parked: dict[Any, _Parked] = {}
+        #: Parked requests, by request and by semaphore name.
+        self.parked = ParkedTasks()
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
         #: Requests handed to the pool with a grant, by permit id, until each run ends.
         self._handed: dict[str, list[Any]] = {}
@@ -153,7 +130,8 @@ class Admission:
 
     def process_task(self, req: Any) -> Any:
         """Stands in for the worker's ``_process_task``: called with a slot taken for ``req``."""
-        earlier = self.parked.pop(req, None)
+        earlier = self.parked.remove(req)
+        record_unpark(earlier)
         clear_grant(req.request_dict)
         if self._stopping():  # a grant now might never run here: the child asks, if it runs
             return self._dispatch(req)
@@ -161,7 +139,11 @@ class Admission:
         if guard is None:
             return self._dispatch(req)
         try:
-            granted = self._ask(req, guard, earlier)
+            granted = None
+            if isinstance(guard, RateGuard):
+                self._ask_rate(req, guard, earlier)
+            else:
+                granted = self._ask(req, guard, earlier)
         except BackendError as exc:
             pause = min(MAX_PAUSE_AFTER_ERROR, PAUSE_AFTER_ERROR * 2.0**self._errors_in_row)
             self._errors_in_row += 1
@@ -177,6 +159,7 @@ class Admission:
             return None
         if granted is not None:
             permit, granted_at = granted
+            record_admission_grant(req, permit, earlier.first_ms if earlier else -1)
             hand_over(req.request_dict, permit, granted_at)
             self._handed.setdefault(permit_id_of(req), []).append(req)
             self._watch(req, permit.name)
@@ -191,7 +174,7 @@ class Admission:
         state: object = getattr(blueprint, "state", _BLUEPRINT_RUNNING)
         return state != _BLUEPRINT_RUNNING
 
-    def _guard_to_admit(self, req: Any) -> TaskGuard | None:
+    def _guard_to_admit(self, req: Any) -> TaskGuard | RateGuard | None:
         """The one guard of ``req``'s task if admission decides for it, else None."""
         if self._usable is None:
             self._usable = _slot_semaphore(self.controller) is not None
@@ -202,15 +185,17 @@ class Admission:
         task = getattr(req, "task", None)
         if task is None or task.name in self._slow_keys:
             return None
-        guards = guards_of(task)
+        guards: list[TaskGuard | RateGuard] = [*guards_of(task), *rate_guards_of(task)]
         if len(guards) != 1 or req.revoked():
             return None
+        if getattr(guards[0], "on_busy", "wait") != "wait":
+            return None  # one try, never parked: its child asks, then runs, skips or fails
         return guards[0]
 
     # -- asking ---------------------------------------------------------------------------
 
     def _ask(
-        self, req: Any, guard: TaskGuard, earlier: _Parked | None
+        self, req: Any, guard: TaskGuard, earlier: Parked | None
     ) -> tuple[Permit, float] | None:
         """Ask for ``req``'s permit: the permit and the monotonic time it was asked for if
         granted; None if not (then ``req`` is parked, its slot given back) or if the child
@@ -219,35 +204,37 @@ class Admission:
         config = get_config(self.app)
         started = time.monotonic()
         try:
-            name = guard.name_for(task.name, call_arguments(task, req.args), req.kwargs or {})
-        except Exception:  # the child reports a bad key function, visibly
+            name, limit = guard.name_and_limit(
+                task.name, call_arguments(task, req.args), req.kwargs or {}
+            )
+        except Exception:  # the child reports a bad key (or limit) function, visibly
             return None
         finally:
             self._time_key_function(task.name, time.monotonic() - started)
-        sem = guard.semaphore(self.app, name, config)
+        sem = guard.semaphore(self.app, name, config, limit)
         if sem.min_replicas:
             return None
         run = permit_id_of(req)
         if self._runs_here(req, run):
             self._park_copy(req, name, earlier)
             return None
-        present = present_waiter_lease(config)
+        hold = hold_times.estimate(task.name)
+        tries = earlier.tries + 1 if earlier is not None else 0
+        longest = self._longest_park()
+        behind = None if earlier is not None else self.parked.deepest_position(name)
+        lease, back_in = self._first_lease(config, sem.limit, behind, hold, longest)
         asked = time.monotonic()
-        result = attempt(sem, run, waiter_lease=present)
+        result = attempt(sem, run, waiter_lease=lease, back_in=back_in)
         self._errors_in_row = 0
         if isinstance(result, Permit):
             return result, asked
-        now_ms = server_ms(result, present)
+        now_ms = server_ms(result, lease)
         if earlier is not None and earlier.first_ms >= 0:
             first_ms = earlier.first_ms
         else:
             first_ms = min(_read_wait(req).first_ms or now_ms, now_ms)  # never in the future
-        tries = earlier.tries + 1 if earlier is not None else 0
         park = park_time(
-            position=result.position,
-            limit=sem.limit,
-            hold=hold_times.estimate(task.name),
-            tries=tries,
+            position=result.position, limit=sem.limit, hold=hold, tries=tries, longest=longest
         )
         waited = (now_ms - first_ms) / 1000
         max_wait = guard.max_wait_for(config)
@@ -258,19 +245,49 @@ class Admission:
             park = min(park, max(MIN_PARK, max_wait - waited))
         received_at = _received_at(req, earlier, asked)
         held_for = asked - received_at  # the broker's visibility clock runs from delivery
-        longest = self._longest_park()
-        if held_for >= longest or self._window_full():
+        if held_for >= longest or len(self.parked) >= MAX_PARKED_TASKS:
             # The child decides, most often a retry: a new message (with a countdown, held as
-            # an ETA task is), this one acknowledged, no longer holding a place in the window.
+            # an ETA task is), this one acknowledged.
             _stamp_wait(req, first_ms)
             return None
         park = min(park, max(MIN_PARK, longest - held_for))
-        asked = time.monotonic()
-        again = attempt(sem, run, waiter_lease=park + config.waiter_margin, back_in=park)
-        if isinstance(again, Permit):
-            return again, asked
-        self._park(_Parked(req, name, again.position, first_ms, tries, None, received_at), park)
+        if back_in and park <= back_in:
+            # Back before its place expects it: its place is kept (it ends a margin after
+            # back_in), and asking early only competes for a free permit.
+            position = result.position
+        else:
+            asked = time.monotonic()
+            again = attempt(sem, run, waiter_lease=park + config.waiter_margin, back_in=park)
+            if isinstance(again, Permit):
+                return again, asked
+            position = again.position
+        self._park(Parked(req, name, position, first_ms, tries, None, received_at), park)
         return None
+
+    def _ask_rate(self, req: Any, guard: RateGuard, earlier: Parked | None) -> None:
+        """A task whose only guard is a rate limit: dispatched once its limiter admits it,
+        else parked until exactly the slot booked for it (no pool slot, no broker trip)."""
+        received_at = _received_at(req, earlier, time.monotonic())
+        horizon = self._longest_park() - (time.monotonic() - received_at)
+        wait = guard.wait_at_dispatch(self.app, req.task, req, horizon)
+        self._errors_in_row = 0
+        if wait:  # 0.0: admitted; None: its child decides
+            tries = earlier.tries + 1 if earlier is not None else 0
+            # Under a name no semaphore can have (names have no braces): no release wakes it.
+            self._park(Parked(req, "{rate}", 0, 0, tries, None, received_at), wait)
+
+    @staticmethod
+    def _first_lease(
+        config: RedsemConfig, limit: int, behind: int | None, hold: float | None, longest: float
+    ) -> tuple[float, float]:
+        """The waiter lease and ``back_in`` of a task's first try: present, or, arriving behind
+        tasks parked here on its semaphore (the last at place ``behind``), away for about as
+        long as the one place after theirs waits: one call both asks and tells Redis when it
+        will be back (until then its place holds no free permit for it)."""
+        if behind is None:
+            return present_waiter_lease(config), 0.0
+        back_in = park_time(position=behind + 1, limit=limit, hold=hold, tries=0, longest=longest)
+        return back_in + config.waiter_margin, back_in
 
     def _time_key_function(self, task_name: str, took: float) -> None:
         """Leave ``task_name`` to the pool children if its key function took ``took`` seconds
@@ -301,7 +318,7 @@ class Admission:
             for r in list(worker_state.active_requests)
         )
 
-    def _park_copy(self, req: Any, name: str, earlier: _Parked | None) -> None:
+    def _park_copy(self, req: Any, name: str, earlier: Parked | None) -> None:
         """Park a second delivery of a running task run until that run ends.
 
         The permit is the run's, so this copy would get it too, and the first run's end
@@ -313,7 +330,7 @@ class Admission:
         tries = earlier.tries if earlier is not None else 0  # not a try for a permit
         first_ms = earlier.first_ms if earlier is not None else -1  # not waiting for a permit
         received_at = _received_at(req, earlier, time.monotonic())
-        self._park(_Parked(req, name, 0, first_ms, tries, None, received_at), MAX_PARK)
+        self._park(Parked(req, name, 0, first_ms, tries, None, received_at), MAX_PARK)
 
     def _longest_park(self) -> float:
         """How long one delivery may stay parked (unacknowledged): :data:`MAX_PARKED`, and at
@@ -324,30 +341,6 @@ class Admission:
         if isinstance(visibility, bool) or not isinstance(visibility, int | float):
             return MAX_PARKED
         return min(MAX_PARKED, visibility / 2) if visibility > 0 else MAX_PARKED
-
-    def _window(self) -> int:
-        """The consumer's prefetch window (concurrency x prefetch multiplier; 0: unlimited)."""
-        window = getattr(self.controller.consumer, "max_prefetch_count", 0)
-        return window if isinstance(window, int) and window > 0 else 0
-
-    def _widened(self) -> int:
-        """How many parked tasks widened the prefetch window."""
-        return sum(1 for p in self.parked.values() if p.qos is not None)
-
-    def _may_widen_window(self) -> bool:
-        """Whether parking one more task may widen the prefetch window (by one, as an ETA task
-        does, so that the worker keeps fetching tasks it can run): at most a window's worth
-        of parked tasks widen it, so that one busy key cannot make the worker reserve the
-        whole queue behind it."""
-        return self._widened() < self._window()  # never with prefetch unlimited (0)
-
-    def _window_full(self) -> bool:
-        """Whether a window's worth of parked tasks already widened the prefetch window, so
-        that one more parked task would hold a place of the window itself. Then it goes to
-        its child instead (which most often retries it through the broker): parked, it would
-        keep the worker from fetching the tasks behind it in the queue, which may well be
-        able to run, while pool slots sit idle."""
-        return self._window() > 0 and not self._may_widen_window()
 
     # -- finished tasks wake parked ones -------------------------------------------------
 
@@ -390,7 +383,7 @@ class Admission:
         """A run of task ``ended_id`` gave back a permit of ``name`` here: the first task
         parked on it asks again, and so do copies of ``ended_id`` that waited for that run."""
         # Not one already resumed (waiting for a slot): it asks again anyway.
-        waiting = [p for p in self.parked.values() if p.name == name and p.timer is not None]
+        waiting = [p for p in self.parked.on(name) if p.timer is not None]
         in_line = [p for p in waiting if p.first_ms >= 0]  # (copies of a running id are not)
         woken = [p for p in waiting if p.first_ms < 0 and permit_id_of(p.req) == ended_id]
         if in_line:
@@ -402,14 +395,14 @@ class Admission:
 
     # -- parking --------------------------------------------------------------------------
 
-    def _park(self, parked: _Parked, seconds: float) -> None:
+    def _park(self, parked: Parked, seconds: float) -> None:
         controller = self.controller
         consumer = controller.consumer
         parked.connection = getattr(consumer, "connection", None)
-        if self._may_widen_window():
-            parked.qos = consumer.qos
-            parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
-        self.parked[parked.req] = parked
+        parked.qos = consumer.qos
+        parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
+        self.parked.add(parked)
+        record_park(parked.req)
         parked.timer = controller.timer.call_after(seconds, self._resume, (parked.req,), priority=6)
         semaphore = _slot_semaphore(controller)
         assert semaphore is not None
@@ -431,7 +424,8 @@ class Admission:
         if parked.qos is not None:
             parked.qos.decrement_eventually()
         if self._stopping() or getattr(consumer, "connection", None) is not parked.connection:
-            self.parked.pop(req, None)  # its message will be delivered again
+            record_unpark(parked)
+            self.parked.remove(req)  # its message will be delivered again
             return
         semaphore = _slot_semaphore(self.controller)
         assert semaphore is not None
@@ -458,7 +452,7 @@ def _slot_semaphore(controller: Any) -> Any:
     return semaphore
 
 
-def _received_at(req: Any, earlier: _Parked | None, now: float) -> float:
+def _received_at(req: Any, earlier: Parked | None, now: float) -> float:
     """When ``req``'s delivery reached the worker (monotonic): as parked before, else as its
     :class:`~celery_redsem.integration.worker.ReleasingRequest` noted, else ``now``."""
     if earlier is not None:

@@ -136,6 +136,11 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds an eager (task_always_eager / apply) call blocks for a permit.",
     ),
     Setting(
+        "redsem_dedupe_lease",
+        3600.0,
+        "Seconds a dedupe mark outlives its send (plus any countdown) while the run is queued.",
+    ),
+    Setting(
         "redsem_min_replicas",
         0,
         "Replicas that must acknowledge a grant (WAIT) before a task runs on it; 0: no WAIT.",
@@ -183,6 +188,7 @@ class RedsemConfig:
     max_wait: float | None
     lost_lease_policy: str
     eager_timeout: float
+    dedupe_lease: float
     min_replicas: int
     replica_timeout: float
     check_eviction_policy: bool
@@ -218,6 +224,7 @@ class RedsemConfig:
             max_wait=read.seconds("redsem_max_wait", none_ok=True),
             lost_lease_policy=read.checked("redsem_lost_lease_policy", LOST_LEASE_POLICY),
             eager_timeout=read.seconds("redsem_eager_timeout", zero_ok=True),
+            dedupe_lease=read.seconds("redsem_dedupe_lease"),
             min_replicas=read.count("redsem_min_replicas"),
             replica_timeout=read.seconds("redsem_replica_timeout"),
             check_eviction_policy=read.boolean("redsem_check_eviction_policy"),

@@ -26,28 +26,35 @@ from celery._state import get_current_task
 from celery.local import Proxy
 
 from celery_redsem.core.errors import ConfigurationError
-from celery_redsem.integration.naming import KeyFunction
+from celery_redsem.integration.naming import KeyFunction, LimitFunction
+from celery_redsem.integration.rate_guard import RateGuard
+from celery_redsem.integration.sending import watch_apps
 from celery_redsem.integration.task_guard import GUARD_ATTR, TaskGuard, current_permit
 from celery_redsem.integration.worker import install_worker_hooks
 
-__all__ = ["current_permit", "with_lock", "with_semaphore"]
+__all__ = ["current_permit", "with_lock", "with_rate_limit", "with_semaphore"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
 def with_semaphore(
-    limit: int,
+    limit: int | LimitFunction,
     key: str | KeyFunction,
     *,
     lease: float | None = None,
     max_wait: float | None = None,
     lost_lease_policy: str | None = None,
+    on_busy: str = "wait",
+    dedupe: bool | str = False,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """At most ``limit`` runs of the task at once per key, across all workers.
 
     Args:
-        limit: how many runs at once per key (an int >= 1).
+        limit: how many runs at once per key (an int >= 1), or a callable that gets the
+            task's arguments by name, as ``key`` does, and returns it
+            (``limit=lambda plan: 10 if plan == "pro" else 2``). A changed limit applies to
+            new grants; runs holding a permit keep it.
         key: the semaphore name, or a callable that gets the task's arguments by name and
             returns it (a non-empty str of at most 512 characters without ``{`` or ``}``).
         lease: permit lease in seconds (default: ``redsem_lease``); the heartbeat refreshes it
@@ -56,6 +63,13 @@ def with_semaphore(
             before it fails with :class:`~celery_redsem.AcquireTimeout` (default:
             ``redsem_max_wait``; ``math.inf``: no limit).
         lost_lease_policy: ``"log"`` or ``"raise"`` (default: ``redsem_lost_lease_policy``).
+        on_busy: when no permit is free: ``"wait"`` its turn (the default), ``"skip"`` (end
+            at once without running, state SUCCESS, result None, the
+            :data:`~celery_redsem.signals.task_skipped` signal), or ``"fail"`` (fail at once
+            with :class:`~celery_redsem.Busy`). Neither of the last two joins the line.
+        dedupe: ``True``: while a run for the key is queued or running, sending the task
+            again returns that run's ``AsyncResult`` and queues nothing; ``"raise"``: raises
+            :class:`~celery_redsem.AlreadyQueued` instead (see :doc:`/coming-from-celery-once`).
     """
 
     options = {
@@ -64,6 +78,8 @@ def with_semaphore(
         "lease": lease,
         "max_wait": max_wait,
         "lost_lease_policy": lost_lease_policy,
+        "on_busy": on_busy,
+        "dedupe": dedupe,
     }
     return _GuardDecorator(options)
 
@@ -82,8 +98,11 @@ class _GuardDecorator:
     # raise, so the mistake shows there and not only when the task first runs. (No
     # docstring: __doc__ is one of those properties.)
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(
+        self, options: dict[str, Any], make_guard: Callable[..., object] = TaskGuard
+    ) -> None:
         self.options = options
+        self.make_guard = make_guard  # TaskGuard, or RateGuard for @with_rate_limit
 
     @property
     def __name__(self) -> str:
@@ -100,8 +119,10 @@ class _GuardDecorator:
             raise ConfigurationError(_WRITTEN_BARE)
         fn: Callable[..., Any] = args[0]
         _refuse_a_task(fn)
-        guard = TaskGuard(fn, **self.options)
+        guard: Any = self.make_guard(fn, **self.options)
         install_worker_hooks()  # a worker of this process then looks after guarded tasks
+        if getattr(guard, "dedupe", False):
+            watch_apps()  # its apps' sends take the dedupe mark
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -135,8 +156,38 @@ def with_lock(
     lease: float | None = None,
     max_wait: float | None = None,
     lost_lease_policy: str | None = None,
+    on_busy: str = "wait",
+    dedupe: bool | str = False,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1``."""
     return with_semaphore(
-        1, key, lease=lease, max_wait=max_wait, lost_lease_policy=lost_lease_policy
+        1,
+        key,
+        lease=lease,
+        max_wait=max_wait,
+        lost_lease_policy=lost_lease_policy,
+        on_busy=on_busy,
+        dedupe=dedupe,
     )
+
+
+def with_rate_limit(
+    rate: str | float,
+    key: str | KeyFunction,
+    *,
+    burst: int = 1,
+    max_wait: float | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """At most ``rate`` starts of the task per key, across all workers (see :doc:`rate-limits`).
+
+    Args:
+        rate: ``"10/s"``, ``"100/m"``, ``"1000/h"`` (Celery's notation) or starts per second.
+        key: the limiter's name, or a callable of the task's arguments by name returning it
+            (the same rules as :func:`with_semaphore`'s ``key``).
+        burst: starts allowed at once after an idle spell (default 1: none beyond the rate's
+            own spacing).
+        max_wait: a run whose slot is further ahead fails with
+            :class:`~celery_redsem.AcquireTimeout` (default: ``redsem_max_wait``).
+    """
+    options = {"rate": rate, "key": key, "burst": burst, "max_wait": max_wait}
+    return _GuardDecorator(options, RateGuard)

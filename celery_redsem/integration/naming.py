@@ -1,28 +1,40 @@
-"""Naming a task run's semaphore: the key function, checked at decoration, called with the
-task's arguments by name.
+"""Naming a task run's semaphore: the key function (and a limit function), checked at
+decoration, called with the task's arguments by name.
 
 :class:`KeyNaming` checks a key function against the task function's signature when the
 decorator is applied (a misspelt argument fails at import, not in a worker), and works out the
 name for one call: a fixed str key, or what the key function returns for the arguments it
-names. Whatever the key function raises, :exc:`SystemExit` and :exc:`KeyboardInterrupt`
-included, becomes a :class:`~celery_redsem.KeyFunctionError`: it runs in the worker's main
-process during admission, where an escaping exit would stop the worker.
+names. :class:`LimitRule` does the same for ``limit=``: a fixed int, or a limit function of the
+arguments by name (both through :class:`ByName`). Whatever such a function raises,
+:exc:`SystemExit` and :exc:`KeyboardInterrupt` included, becomes a
+:class:`~celery_redsem.KeyFunctionError`: it runs in the worker's main process during
+admission, where an escaping exit would stop the worker.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from celery import Task
 
 from celery_redsem.core.errors import ConfigurationError, KeyFunctionError
 from celery_redsem.core.keys import validate_name
+from celery_redsem.core.validation import LIMIT
 
-__all__ = ["KeyFunction", "KeyNaming", "call_arguments", "describe"]
+__all__ = [
+    "ByName",
+    "KeyFunction",
+    "KeyNaming",
+    "LimitFunction",
+    "LimitRule",
+    "call_arguments",
+    "describe",
+]
 
 KeyFunction = Callable[..., object]
+LimitFunction = Callable[..., object]
 
 _NAMED_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 #: What a key function may raise that becomes a KeyFunctionError (exits included: see above).
@@ -67,30 +79,31 @@ def call_arguments(task: Task[Any, Any], args: Any) -> tuple[Any, ...]:
     return call_args
 
 
-class KeyNaming:
-    """The key of one decorated task function: a fixed name, or a key function of its
-    arguments (checked here against the function's signature; ``where`` names the function)."""
+class ByName:
+    """A function of a task's arguments by name (a key or a limit function), checked against
+    the task function's ``signature`` when made; ``what`` (``"key"``, ``"limit"``) and
+    ``where`` (the task function) name it in messages."""
 
-    def __init__(self, fn: Callable[..., Any], key: str | KeyFunction, where: str) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        func: Callable[..., object],
+        what: str,
+        where: str,
+        instead: str,
+    ) -> None:
         self.fn = fn
-        self.key = key
+        self.func = func
+        self.what = what
         self.signature = inspect.signature(fn)
-        self._key_names: list[str] | None = None  # None: the key takes **kwargs
-        if isinstance(key, str):
-            try:
-                validate_name(key)
-            except ConfigurationError as exc:
-                raise ConfigurationError(f"key of {where}: {exc}") from None
-        elif callable(key):
-            self._key_names = self._check_key_function(key, where)
-        else:
-            raise ConfigurationError(f"key of {where} must be a str or a callable, got {key!r}")
+        self._names = self._check(where, instead)  # None: it takes **kwargs
 
-    def _check_key_function(self, key: KeyFunction, where: str) -> list[str] | None:
+    def _check(self, where: str, instead: str) -> list[str] | None:
+        func, what = self.func, self.what
         try:
-            params = inspect.signature(key).parameters
+            params = inspect.signature(func).parameters
         except (TypeError, ValueError) as exc:
-            raise ConfigurationError(f"cannot inspect key function of {where}: {exc}") from None
+            raise ConfigurationError(f"cannot inspect {what} function of {where}: {exc}") from None
         task_params = self.signature.parameters
         task_takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in task_params.values())
         if any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -99,63 +112,51 @@ class KeyNaming:
         for p in params.values():
             if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
                 raise ConfigurationError(
-                    f"key function {describe(key)} of {where}: parameter {p.name!r} is "
-                    "positional-only; the key receives the task's arguments by name"
+                    f"{what} function {describe(func)} of {where}: parameter {p.name!r} is "
+                    f"positional-only; the {what} receives the task's arguments by name"
                 )
             if p.kind not in _NAMED_KINDS:
                 continue  # *args, or positional-only with a default: never given a value
             if p.name not in task_params and not task_takes_kwargs and p.default is p.empty:
                 raise ConfigurationError(
-                    f"key function {describe(key)} of {where} asks for {p.name!r}, which is not "
-                    f"a parameter of {where}{self.signature}"
+                    f"{what} function {describe(func)} of {where} asks for {p.name!r}, which is "
+                    f"not a parameter of {where}{self.signature}"
                 )
             names.append(p.name)
         receivable = [n for n in names if n in task_params or task_takes_kwargs]
         if params and not receivable:
             # Parameters, but none the task's arguments can fill (a misspelt name with a
-            # default, only *args): every call would get one and the same name.
+            # default, only *args): every call would get the same answer.
             raise ConfigurationError(
-                f"key function {describe(key)} of {where} takes none of the task's arguments "
-                f"({', '.join(params)} against {where}{self.signature}), so every call would "
-                "share one semaphore; name the arguments it uses (key=lambda account_id: ...), "
-                "or pass a str key for one semaphore for all calls"
+                f"{what} function {describe(func)} of {where} takes none of the task's "
+                f"arguments ({', '.join(params)} against {where}{self.signature}), so every "
+                f"call would get the same {what}; name the arguments it uses ({what}=lambda "
+                f"account_id: ...), or {instead}"
             )
         return names
 
-    def name_for(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        """The semaphore name for one call (``args`` as the function receives them)."""
-        if isinstance(self.key, str):
-            return self.key
-        key = self.key
+    def __call__(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> object:
+        """What the function returns for one call (``args`` as the task function receives
+        them); whatever it raises becomes a :class:`~celery_redsem.KeyFunctionError`."""
         named = self._named_arguments(task_name, args, kwargs)
         try:
-            name = key(**named)
+            return self.func(**named)
         except _KEY_FUNCTION_FAILURES as exc:
-            raise KeyFunctionError(
-                f"key function {describe(key)} of task {task_name} raised {exc!r}"
-            ) from exc
-        if name is None:
-            raise KeyFunctionError(
-                f"key function {describe(key)} of task {task_name} returned None"
-            )
-        if not isinstance(name, str):
-            raise KeyFunctionError(
-                f"key function {describe(key)} of task {task_name} returned "
-                f"{type(name).__name__} {name!r:.80}, not a str"
-            )
-        try:
-            return validate_name(name)
-        except ConfigurationError as exc:
-            raise KeyFunctionError(
-                f"key function {describe(key)} of task {task_name} returned an unusable "
-                f"name: {exc}",
-                name=exc.name,
-            ) from None
+            raise self.error(task_name, f"raised {exc!r}") from exc
+
+    def error(
+        self, task_name: str, what_happened: str, name: str | None = None
+    ) -> KeyFunctionError:
+        """The KeyFunctionError for this function and task ``task_name``."""
+        return KeyFunctionError(
+            f"{self.what} function {describe(self.func)} of task {task_name} {what_happened}",
+            name=name,
+        )
 
     def _named_arguments(
         self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> dict[str, Any]:
-        """The call's arguments by name, as many as the key function takes."""
+        """The call's arguments by name, as many as the function takes."""
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -171,6 +172,69 @@ class KeyNaming:
                 named.update(value)
             else:
                 named[pname] = value
-        if self._key_names is not None:
-            named = {n: named[n] for n in self._key_names if n in named}
+        if self._names is not None:
+            named = {n: named[n] for n in self._names if n in named}
         return named
+
+
+class KeyNaming:
+    """The key of one decorated task function: a fixed name, or a key function of its
+    arguments (checked here against the function's signature; ``where`` names the function)."""
+
+    def __init__(self, fn: Callable[..., Any], key: str | KeyFunction, where: str) -> None:
+        self.fn = fn
+        self.key = key
+        self.signature = inspect.signature(fn)
+        self._by_name: ByName | None = None
+        if isinstance(key, str):
+            try:
+                validate_name(key)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"key of {where}: {exc}") from None
+        elif callable(key):
+            instead = "pass a str key for one semaphore for all calls"
+            self._by_name = ByName(fn, key, "key", where, instead)
+        else:
+            raise ConfigurationError(f"key of {where} must be a str or a callable, got {key!r}")
+
+    def name_for(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The semaphore name for one call (``args`` as the function receives them)."""
+        if self._by_name is None:
+            return cast(str, self.key)
+        key = self._by_name
+        name = key(task_name, args, kwargs)
+        if name is None:
+            raise key.error(task_name, "returned None")
+        if not isinstance(name, str):
+            raise key.error(task_name, f"returned {type(name).__name__} {name!r:.80}, not a str")
+        try:
+            return validate_name(name)
+        except ConfigurationError as exc:
+            raise key.error(task_name, f"returned an unusable name: {exc}", exc.name) from None
+
+
+class LimitRule:
+    """The limit of one decorated task function: a fixed int, or a limit function of its
+    arguments by name (as a key function), whose answer is checked on every call."""
+
+    def __init__(self, fn: Callable[..., Any], limit: int | LimitFunction, where: str) -> None:
+        self.fixed: int | None = None
+        self._by_name: ByName | None = None
+        if callable(limit) and not isinstance(limit, int):
+            self._by_name = ByName(fn, limit, "limit", where, "pass an int limit")
+        else:
+            self.fixed = LIMIT.check(limit, f"limit of {where}")
+
+    def __repr__(self) -> str:
+        return repr(self.fixed) if self._by_name is None else describe(self._by_name.func)
+
+    def limit_for(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+        """The limit for one call (``args`` as the function receives them)."""
+        if self._by_name is None:
+            return cast(int, self.fixed)
+        limit = self._by_name(task_name, args, kwargs)
+        try:
+            checked: int = LIMIT.check(limit, "its limit")
+        except ConfigurationError as exc:
+            raise self._by_name.error(task_name, f"returned {limit!r:.80}: {exc}") from None
+        return checked

@@ -40,6 +40,7 @@ from celery_redsem.integration.backoff import (
     return_delays,
 )
 from celery_redsem.integration.config import RedsemConfig
+from celery_redsem.integration.metrics import record_timeout, record_wait
 from celery_redsem.integration.waiting import (
     WaitState,
     attempt,
@@ -115,6 +116,7 @@ class WorkerAsk:
             waited = max(0, now_ms - first_ms) / 1000
         if max_wait is not None and waited >= max_wait:
             release_quietly(sem, permit_id)
+            record_timeout(task.name)
             raise AcquireTimeout(
                 f"task {task.name}[{request.id}] waited {waited:.1f}s for a permit of "
                 f"{sem.name!r} (limit {sem.limit}) and gave up (max_wait={max_wait}s, "
@@ -145,7 +147,8 @@ class WorkerAsk:
             return again
         due_ms = now_ms + round(countdown * 1000)
         after = WaitState(wait.attempts + 1, first_ms, wait.errors, due_ms, 0)
-        raise self._publish_retry(
+        record_wait(task.name, "retry")
+        raise self.publish_retry(
             countdown,
             after,
             release=sem,
@@ -210,7 +213,7 @@ class WorkerAsk:
             wait.due_ms,
             offline_ms + round(countdown * 1000),
         )
-        raise self._publish_retry(
+        raise self.publish_retry(
             countdown,
             after,
             release=None,
@@ -224,7 +227,7 @@ class WorkerAsk:
             return countdown
         return max(self.config.retry_min_countdown, min(countdown, self.max_wait - waited))
 
-    def _publish_retry(
+    def publish_retry(
         self,
         countdown: float,
         wait: WaitState,

@@ -31,23 +31,38 @@ from celery import Celery, Task
 from celery import _state as celery_state
 from celery._state import get_current_app, get_current_task
 from celery.app.task import Context
+from celery.exceptions import Retry
 
 from celery_redsem.core.client import socket_timeout
-from celery_redsem.core.errors import AcquireTimeout, BackendError, KeyFunctionError
+from celery_redsem.core.errors import (
+    AcquireTimeout,
+    BackendError,
+    ConfigurationError,
+    KeyFunctionError,
+)
 from celery_redsem.core.heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.core.validation import LIMIT, SECONDS, Rule, seconds_rule
+from celery_redsem.core.validation import SECONDS, Rule, seconds_rule
 from celery_redsem.integration.backoff import hold_times
+from celery_redsem.integration.busy import ON_BUSY, busy, skipped, try_once
 from celery_redsem.integration.config import (
     LOST_LEASE_POLICY,
     RedsemConfig,
     get_client,
     get_config,
 )
+from celery_redsem.integration.dedupe import (
+    DEDUPE,
+    RunMark,
+    clear_quietly,
+    end_duplicate,
+    mark_of,
+)
 from celery_redsem.integration.handoff import take_over
-from celery_redsem.integration.naming import KeyFunction, KeyNaming
+from celery_redsem.integration.metrics import record_run_grant, record_timeout
+from celery_redsem.integration.naming import KeyFunction, KeyNaming, LimitFunction, LimitRule
 from celery_redsem.integration.retrying import WorkerAsk
 from celery_redsem.integration.waiting import release_quietly
 
@@ -58,6 +73,19 @@ logger = logging.getLogger(__name__)
 #: The attribute of a guarded function that holds its :class:`TaskGuard`.
 GUARD_ATTR = "__redsem_guard__"
 _MAX_WAIT = seconds_rule(inf_ok=True)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call of a guarded function: its task and request (None for a direct call)."""
+
+    task: Task[Any, Any] | None
+    request: Context | None
+    app: Celery
+    task_name: str
+    name: str
+    limit: int
+    config: RedsemConfig
 
 
 @dataclass(frozen=True)
@@ -104,40 +132,66 @@ class TaskGuard:
         self,
         fn: Callable[..., Any],
         *,
-        limit: int,
+        limit: int | LimitFunction,
         key: str | KeyFunction,
         lease: float | None = None,
         max_wait: float | None = None,
         lost_lease_policy: str | None = None,
+        on_busy: str = "wait",
+        dedupe: bool | str = False,
     ) -> None:
         where = getattr(fn, "__qualname__", repr(fn))
         self.fn = fn
-        self.limit: int = LIMIT.check(limit, f"limit of {where}")
+        self.limits = LimitRule(fn, limit, where)
+        #: The limit if it is fixed, else None (a limit function: :meth:`limit_for`).
+        self.limit: int | None = self.limits.fixed
         self.lease: float | None = _optional(SECONDS, lease, f"lease of {where}")
+        if max_wait == 0 and not isinstance(max_wait, bool):
+            raise ConfigurationError(
+                f"max_wait of {where} must be > 0; for a run that does not wait for a busy "
+                "key, use on_busy='skip' (it ends without running) or on_busy='fail' (it "
+                "fails with Busy)"
+            )
         self.max_wait: float | None = _optional(_MAX_WAIT, max_wait, f"max_wait of {where}")
         self.lost_lease_policy: str | None = _optional(
             LOST_LEASE_POLICY, lost_lease_policy, f"lost_lease_policy of {where}"
         )
+        self.on_busy: str = ON_BUSY.check(on_busy, f"on_busy of {where}")
+        self.dedupe: bool | str = DEDUPE.check(dedupe, f"dedupe of {where}")
         self.naming = KeyNaming(fn, key, where)
         self.key = key
         self.signature = self.naming.signature
 
     def __repr__(self) -> str:
-        return f"<TaskGuard {self.fn.__qualname__} limit={self.limit} key={self.key!r}>"
+        return f"<TaskGuard {self.fn.__qualname__} limit={self.limits!r} key={self.key!r}>"
 
     def name_for(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The semaphore name for one call (``args`` as the function receives them)."""
         return self.naming.name_for(task_name, args, kwargs)
 
+    def limit_for(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+        """The limit for one call (``args`` as the function receives them)."""
+        return self.limits.limit_for(task_name, args, kwargs)
+
+    def name_and_limit(
+        self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[str, int]:
+        """The semaphore name and limit for one call."""
+        return self.name_for(task_name, args, kwargs), self.limit_for(task_name, args, kwargs)
+
     def semaphore(
-        self, app: Celery, name: str, config: RedsemConfig | None = None
+        self, app: Celery, name: str, config: RedsemConfig | None = None, limit: int | None = None
     ) -> FairSemaphore:
-        """The semaphore ``name`` with this guard's limit and the app's settings."""
+        """The semaphore ``name`` with ``limit`` (default: this guard's fixed limit) and the
+        app's settings."""
         config = config or get_config(app)
+        limit = self.limit if limit is None else limit
+        if limit is None:
+            raise ConfigurationError(f"{self!r} computes its limit per call: pass limit=")
         return FairSemaphore(
             get_client(app),
             name,
-            self.limit,
+            limit,
             lease=self.lease or config.lease,
             idle_ttl=config.idle_ttl,
             prefix=config.key_prefix,
@@ -160,7 +214,8 @@ class TaskGuard:
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
         name = self.name_for(task_name, args, kwargs)
-        outer = self._held_by_caller(name, config.key_prefix)
+        limit = self.limit_for(task_name, args, kwargs)
+        outer = self._held_by_caller(name, config.key_prefix, limit)
         if outer is not None:
             # Re-entrant: a guarded call running in this thread holds this semaphore already,
             # and this call runs inside it (a task calling itself, or another task on the same
@@ -170,21 +225,21 @@ class TaskGuard:
                 raise outer.lost_error()
             return self.fn(*args, **kwargs)
         request = task.request if task is not None and ours else None
+        call = _Call(task, request, app, task_name, name, limit, config)
+        mark = self._run_mark(call)
+        if mark is not None and (other := mark.claim()) is not None:
+            return self._duplicate(call, other)
         started = time.monotonic()
-        confirmed_at: float | None = None  # when the lease surely had not started yet
-        if request is None or request.called_directly or request.is_eager:
-            sem = self.semaphore(app, name, config)
-            pid = permit_id_of(request) if request is not None and request.id else uuid.uuid4().hex
-            permit = self._acquire_blocking(sem, pid, task_name, config)
-        else:
-            assert task is not None
-            sem, permit, confirmed_at = self._worker_permit(task, request, name, config, started)
+        sem, permit, confirmed_at = self._permit(call, mark, started)
+        if permit is None:  # on_busy="skip", and the key is busy
+            return self._skip_busy(call, mark, args, kwargs)
         # From the grant on, every way out releases: nothing may run between it and the try.
         heartbeat = get_heartbeat()
         held: HeldPermit | None = None
         entered: Token[tuple[_Entered, ...]] | None = None
         body_started = time.monotonic()
         gone_at_release = False  # the release found the permit no longer held
+        retried = False
         try:
             held = HeldPermit(
                 permit,
@@ -197,13 +252,15 @@ class TaskGuard:
                 ),
             )
             heartbeat.track(held)
-            entered = _entered.set(
-                (*_entered.get(), _Entered(held, self.limit, threading.get_ident()))
-            )
+            entered = _entered.set((*_entered.get(), _Entered(held, limit, threading.get_ident())))
             if request is not None:
                 setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
             body_started = time.monotonic()
+            record_run_grant(task_name, permit, request, started, handed=confirmed_at is not None)
             result = self._run_body(held, args, kwargs)
+        except Retry:
+            retried = True  # the same task id comes back: its mark stays
+            raise
         finally:
             hold_times.observe(task_name, time.monotonic() - body_started)
             if entered is not None:
@@ -214,23 +271,48 @@ class TaskGuard:
                 # Lost before the next refresh could tell (an operator's release, or a
                 # stall past the lease): reported as a refresh would have.
                 gone_at_release = held.lost_at_release()
+            if mark is not None and not retried:
+                mark.clear()
         if gone_at_release and held is not None and held.lost_lease_policy == "raise":
             raise held.lost_error()
         return result
 
+    def _permit(
+        self, call: _Call, mark: RunMark | None, started: float
+    ) -> tuple[FairSemaphore, Permit | None, float | None]:
+        """The semaphore and the run's permit (None: on_busy="skip" and the key is busy),
+        and when the grant was confirmed if the main process handed it over. Whatever ends
+        the run here (a failure, not a retry) clears its dedupe mark."""
+        request = call.request
+        got: tuple[FairSemaphore, Permit | None, float | None]
+        try:
+            if request is None or request.called_directly or request.is_eager:
+                sem = self.semaphore(call.app, call.name, call.config, call.limit)
+                pid = permit_id_of(request) if request is not None and request.id else None
+                got = sem, self._acquire_blocking(sem, pid or uuid.uuid4().hex, call), None
+            else:
+                got = self._worker_permit(call, request, started)
+        except Retry:
+            raise  # the same task id comes back: its mark stays
+        except BaseException:
+            if mark is not None:
+                mark.clear()
+            raise
+        if mark is not None and got[1] is not None:
+            mark.hold(got[1].id)  # live from now on as long as the permit is
+        return got
+
     def _worker_permit(
-        self,
-        task: Task[Any, Any],
-        request: Context,
-        name: str,
-        config: RedsemConfig,
-        started: float,
-    ) -> tuple[FairSemaphore, Permit, float | None]:
+        self, call: _Call, request: Context, started: float
+    ) -> tuple[FairSemaphore, Permit | None, float | None]:
         """In a worker: the semaphore and permit, and when the grant was confirmed if it was
-        handed over by the main process; retries the task (raises) when none can be had."""
-        ask = WorkerAsk(task, request, name, self.limit, self.max_wait_for(config), config)
+        handed over by the main process; retries the task (raises) when none can be had, or
+        with ``on_busy`` not "wait", fails (raises) or gives no permit (None: skip)."""
+        task, name, config = call.task, call.name, call.config
+        assert task is not None
+        ask = WorkerAsk(task, request, name, call.limit, self.max_wait_for(config), config)
         try:  # building a cluster client already talks to the cluster
-            sem = self.semaphore(task.app, name, config)
+            sem = self.semaphore(task.app, name, config, call.limit)
         except BackendError as exc:
             ask.retry_after_error(exc, started=started)
         handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
@@ -239,9 +321,17 @@ class TaskGuard:
         # No grant, or one that waited for this child longer than the heartbeat would have
         # let it (a child slow to start): its lease may have run out and the permit gone to
         # another task. Asking again under the task id renews it if it is still held.
-        return sem, ask.permit_or_retry(sem), None
+        if self.on_busy == "wait":
+            return sem, ask.permit_or_retry(sem), None
+        try:
+            permit = try_once(sem, permit_id_of(request))
+        except BackendError as exc:
+            ask.retry_after_error(exc, started=started)
+        if permit is None and self.on_busy == "fail":
+            raise busy(task.name, request.id, sem)
+        return sem, permit, None
 
-    def _held_by_caller(self, name: str, prefix: str) -> HeldPermit | None:
+    def _held_by_caller(self, name: str, prefix: str, limit: int) -> HeldPermit | None:
         """The permit of semaphore ``name`` that a guarded call running in this thread holds
         with this guard's limit, if any (not one from a copied context in another thread)."""
         me = threading.get_ident()
@@ -250,7 +340,7 @@ class TaskGuard:
             if (
                 held.name == name
                 and held.permit.prefix == prefix
-                and entered.limit == self.limit
+                and entered.limit == limit
                 and entered.thread_id == me
             ):
                 return held
@@ -279,11 +369,18 @@ class TaskGuard:
             raise held.lost_error()
         return result
 
-    def _acquire_blocking(
-        self, sem: FairSemaphore, permit_id: str, task_name: str, config: RedsemConfig
-    ) -> Permit:
+    def _acquire_blocking(self, sem: FairSemaphore, permit_id: str, call: _Call) -> Permit | None:
+        """A permit for an eager or direct call: blocking (or with ``on_busy`` not "wait",
+        one try: None for "skip", :class:`~celery_redsem.Busy` for "fail")."""
+        task_name, config = call.task_name, call.config
+        if self.on_busy != "wait":
+            permit = try_once(sem, permit_id)
+            if permit is None and self.on_busy == "fail":
+                raise busy(task_name, permit_id, sem)
+            return permit
         permit = sem.acquire(blocking=True, timeout=config.eager_timeout, permit_id=permit_id)
         if permit is None:
+            record_timeout(task_name)
             raise AcquireTimeout(
                 f"task {task_name} (eager or direct call) got no permit of {sem.name!r} "
                 f"(limit {sem.limit}) within redsem_eager_timeout={config.eager_timeout}s",
@@ -299,11 +396,15 @@ class TaskGuard:
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
         permit_id: str,
+        *,
+        task_id: str | None = None,
     ) -> bool:
         """Give up whatever permit or place the task run ``permit_id`` has (main process, after
-        the child died)."""
+        the child died, or for a revoked or expired task), and with ``dedupe``, the mark of
+        ``task_id`` (the run's task id)."""
         try:
             name = self.name_for(task_name, args, kwargs)
+            limit = self.limit_for(task_name, args, kwargs)
         except (KeyFunctionError, TypeError) as exc:
             logger.warning(
                 "celery_redsem: could not work out the semaphore of %s[%s] in the worker's main "
@@ -314,7 +415,35 @@ class TaskGuard:
                 exc,
             )
             return False
-        return release_quietly(self.semaphore(app, name), permit_id) is True
+        if self.dedupe and task_id:
+            clear_quietly(mark_of(app, name), task_id)
+        return release_quietly(self.semaphore(app, name, limit=limit), permit_id) is True
+
+    def _run_mark(self, call: _Call) -> RunMark | None:
+        """The dedupe mark this run keeps, if it has one (not for direct calls)."""
+        request = call.request
+        if not self.dedupe or request is None or request.called_directly or not request.id:
+            return None
+        return RunMark(call.app, call.name, request.id, call.config)
+
+    def _skip_busy(
+        self, call: _Call, mark: RunMark | None, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        """End a run with on_busy="skip" whose key is busy (see :mod:`.busy`)."""
+        if mark is not None:
+            mark.clear()
+        request = call.request
+        if request is not None:
+            args, kwargs = tuple(request.args or ()), request.kwargs or {}
+        task_id = request.id if request else None
+        skipped(call.task, task_id, call.name, "busy", args=args, kwargs=kwargs)
+
+    def _duplicate(self, call: _Call, other: str) -> None:
+        """End a run that another run of its key (``other``) makes a duplicate."""
+        assert call.task is not None
+        assert call.request is not None
+        sem = self.semaphore(call.app, call.name, call.config, call.limit)
+        end_duplicate(call.task, call.request, sem, other, raise_it=self.dedupe == "raise")
 
 
 def _optional(rule: Rule, value: object, what: str) -> Any:

@@ -70,6 +70,7 @@ from celery_redsem.integration.config import (
     refresh_stall_warning,
 )
 from celery_redsem.integration.naming import call_arguments
+from celery_redsem.integration.sending import install_dedupe
 from celery_redsem.integration.task_guard import TaskGuard, guards_of, iter_guarded_tasks
 
 __all__ = [
@@ -103,7 +104,12 @@ def release_task(task: Task[Any, Any], request: Any) -> int:
     for guard in guards:
         try:
             released += guard.release_by_id(
-                task.app, task.name, call_args, dict(request.kwargs or {}), permit_id
+                task.app,
+                task.name,
+                call_args,
+                dict(request.kwargs or {}),
+                permit_id,
+                task_id=task_id,
             )
         except RedsemError as exc:
             logger.warning("celery_redsem: could not release %s[%s]: %s", task.name, task_id, exc)
@@ -122,7 +128,7 @@ class ReleasingRequest(Request):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: When this delivery reached the worker (monotonic): admission parks it for at most
-        #: :data:`~celery_redsem.integration.admission.MAX_PARKED` from then (the broker's clock
+        #: :data:`~celery_redsem.integration.parking.MAX_PARKED` from then (the broker's clock
         #: runs too).
         self.redsem_received_at = time.monotonic()
 
@@ -331,6 +337,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         install_request_class(task)
     if get_config(app).worker_admission:
         install_admission(sender, app)
+    install_dedupe(app)  # tasks this worker sends take their dedupe marks
     app.steps["worker"].add(StartChecks)  # before the worker builds its blueprint from them
 
 

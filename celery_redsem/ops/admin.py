@@ -21,6 +21,7 @@ from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, ConfigurationError, RedsemError
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
 from celery_redsem.core.permits import SemaphoreState
+from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.state import read_state
 
@@ -30,6 +31,7 @@ __all__ = [
     "glob_escape",
     "iter_names",
     "purge",
+    "rate_states",
     "state_to_dict",
     "states",
 ]
@@ -126,6 +128,21 @@ def states(
                 raise
             (on_skip or _log_skip)(name, exc)
     return found, len(names)
+
+
+def rate_states(
+    client: RedisClient, *, prefix: str = DEFAULT_PREFIX, pattern: str = "*"
+) -> list[RateState]:
+    """Snapshots of the rate limiters under ``prefix`` whose name matches, sorted by name (a
+    limiter has a key while its next free time is ahead, so an idle one is not listed)."""
+    head = SemaphoreKeys(validate_prefix(prefix), "").base[:-1]  # "<prefix>:{"
+    glob = SemaphoreKeys.rate_scan_pattern(glob_escape(prefix), pattern)
+    names = set()
+    for key in _scan(client, glob):
+        name = SemaphoreKeys.name_from_key(prefix, key)
+        if key.startswith(head) and name and key == SemaphoreKeys(prefix, name).rate:
+            names.add(name)
+    return [read_rate_state(client, name, prefix=prefix) for name in sorted(names)]
 
 
 def _log_skip(name: str, exc: Exception) -> None:

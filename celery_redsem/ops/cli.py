@@ -19,7 +19,7 @@ from __future__ import annotations
 import getpass
 import json
 import socket
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
 import click
@@ -29,6 +29,7 @@ from celery_redsem.core.clients import client_from_url
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, RedsemError
 from celery_redsem.core.keys import SemaphoreKeys, validate_prefix
 from celery_redsem.core.permits import SemaphoreState
+from celery_redsem.core.rate_limit import RateState
 from celery_redsem.core.redaction import redact_url, scrub
 from celery_redsem.core.state import read_state
 from celery_redsem.ops.admin import (
@@ -36,6 +37,7 @@ from celery_redsem.ops.admin import (
     force_release,
     glob_escape,
     purge,
+    rate_states,
     state_to_dict,
     states,
 )
@@ -116,6 +118,15 @@ def _summary_line(ctx: click.Context, state: SemaphoreState) -> str:
         f"{_style(ctx, _shown(state.name), bold=True)}  limit {limit}  "
         f"held {_style(ctx, held, fg='yellow' if full else 'green')}  "
         f"waiting {len(state.waiters)}  last token {state.last_token or '-'}"
+    )
+
+
+def _rate_line(ctx: click.Context, state: RateState) -> str:
+    rate = "?" if state.rate is None else f"{state.rate:g}/s"
+    return (
+        f"{_style(ctx, _shown(state.name), bold=True)}  rate limiter {rate}  "
+        f"burst {state.burst or '?'}  next free in {state.next_free:.3f}s  "
+        f"booked {state.booked}"
     )
 
 
@@ -214,7 +225,8 @@ def status(
     """The semaphore NAME, those whose name matches --pattern, or (neither) every semaphore.
 
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
-    order they will be served, and the last fencing token granted. Found with SCAN, never KEYS.
+    order they will be served, and the last fencing token granted; then each rate limiter of
+    the selection: its rate, burst, next free time and booked slots. Found with SCAN, never KEYS.
     A semaphore that cannot be read is skipped with a warning; the others are listed.
     """
     glob = _selection(name, pattern)
@@ -229,6 +241,7 @@ def status(
             on_skip=_skipped_list(skipped),
         )
     )
+    limiters = _run(lambda: rate_states(target.client, prefix=target.prefix, pattern=glob))
     if as_json:
         _print_json(
             {
@@ -237,12 +250,16 @@ def status(
                 "pattern": glob,
                 "total": total,
                 "semaphores": [state_to_dict(s) for s in found],
+                "rate_limiters": [asdict(r) for r in limiters],
                 "skipped": skipped,
             }
         )
         return
+    for limiter in limiters:
+        click.echo(_rate_line(ctx, limiter))
     if not total:
-        click.echo(_none_found(target, name, glob))
+        if not limiters:
+            click.echo(_none_found(target, name, glob))
         return
     for state in found:
         click.echo(_summary_line(ctx, state))

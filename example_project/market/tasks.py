@@ -1,7 +1,7 @@
 """The marketplace's tasks, each guarded by celery_redsem.
 
-* ``buy_item`` / ``sell_item``: at most 5 calls at once per account (the marketplace's limit),
-  shared by buying and selling because they use the same key.
+* ``buy_item`` / ``sell_item``: at most 5 calls at once and 20 a second per account (the
+  marketplace's published limits), shared by buying and selling because they use the same key.
 * ``stream_market_feed``: one long-running feed per account; a lock whose short lease the
   worker's heartbeat keeps alive for as long as the stream runs.
 * ``build_daily_report``: one build per day at a time; the fencing token keeps an older build
@@ -16,7 +16,14 @@ from typing import Any
 from celery import shared_task
 from celery.utils.log import get_task_logger
 
-from celery_redsem import HeldPermit, current_permit, read_state, with_lock, with_semaphore
+from celery_redsem import (
+    HeldPermit,
+    current_permit,
+    read_state,
+    with_lock,
+    with_rate_limit,
+    with_semaphore,
+)
 from celery_redsem.integration.waiting import WAIT_HEADER
 
 from . import market_api
@@ -25,6 +32,8 @@ logger = get_task_logger(__name__)
 
 #: The marketplace serves at most this many concurrent calls per account.
 ACCOUNT_LIMIT = 5
+#: ... and at most this many calls a second per account (a run starts only in its slot).
+ACCOUNT_RATE = "20/s"
 
 
 def account_key(account_id: str) -> str:
@@ -34,6 +43,7 @@ def account_key(account_id: str) -> str:
 
 @shared_task(bind=True)
 @with_semaphore(limit=ACCOUNT_LIMIT, key=account_key)
+@with_rate_limit(ACCOUNT_RATE, key=account_key)
 def buy_item(
     self: Any, account_id: str, item_id: str, seconds: float = 0.5, enqueued_at: float = 0.0
 ) -> str:
@@ -46,6 +56,7 @@ def buy_item(
 
 @shared_task(bind=True)
 @with_semaphore(limit=ACCOUNT_LIMIT, key=account_key)
+@with_rate_limit(ACCOUNT_RATE, key=account_key)
 def sell_item(self: Any, account_id: str, item_id: str, seconds: float = 0.5) -> str:
     """Sell ``item_id`` for ``account_id``; shares the account's limit with :func:`buy_item`."""
     market_api.call(account_id, f"sell {item_id}", seconds)

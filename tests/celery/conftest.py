@@ -247,15 +247,26 @@ def running_workers(
     names: list[str],
     concurrency: int,
     *extra: str,
+    app_module: str = "tests.celery.worker_app",
     **conf: object,
 ) -> Iterator[list[WorkerProcess]]:
     """Prefork worker subprocesses named ``names``, ready; stopped (logs shown if asked) after.
 
-    ``extra`` are more ``celery worker`` arguments (``"-Q", "queue"``), ``conf`` app settings.
-    ``REDSEM_TEST_SHOW_WORKER_LOGS=1`` prints their logs when they stop.
+    ``extra`` are more ``celery worker`` arguments (``"-Q", "queue"``), ``app_module`` the app
+    they run, ``conf`` app settings. ``REDSEM_TEST_SHOW_WORKER_LOGS=1`` prints their logs when
+    they stop.
     """
     procs = [
-        WorkerProcess(redis_url, prefix, name, concurrency, logs / f"{name}.log", *extra, conf=conf)
+        WorkerProcess(
+            redis_url,
+            prefix,
+            name,
+            concurrency,
+            logs / f"{name}.log",
+            *extra,
+            conf=conf,
+            app_module=app_module,
+        )
         for name in names
     ]
     try:

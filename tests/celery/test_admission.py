@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 
 from celery_redsem import AcquireTimeout
-from celery_redsem.integration.admission import FIRST_PARK, MAX_PARK, MIN_PARK, park_time
+from celery_redsem.integration.parking import FIRST_PARK, MAX_PARK, MAX_PARKED, MIN_PARK, park_time
 from tests.celery.conftest import (
     WorkerProcess,
     blocked,
@@ -34,7 +34,11 @@ def test_park_time_follows_the_line_and_is_bounded() -> None:
     # Known hold: a little before `position` holders of `hold` left a `limit` semaphore.
     assert 0.6 * 1.0 < park_time(position=4, limit=2, hold=0.5, tries=0) < 1.0
     assert park_time(position=1, limit=100, hold=0.001, tries=0) == MIN_PARK
-    assert park_time(position=10_000, limit=1, hold=60.0, tries=0) == MAX_PARK
+    assert park_time(position=10_000, limit=1, hold=60.0, tries=0) == MAX_PARKED
+    assert park_time(position=10_000, limit=1, hold=60.0, tries=0, longest=7.0) == 7.0
+    # Unknown hold, deep in line: a round of holders at a time, still capped.
+    assert park_time(position=10, limit=2, hold=None, tries=0) == 5 * FIRST_PARK
+    assert park_time(position=10_000, limit=2, hold=None, tries=0) == MAX_PARK
 
 
 @pytest.fixture(scope="module")
@@ -194,21 +198,26 @@ def one_slot(
 
 
 @pytest.mark.slow
-def test_tasks_behind_a_busy_key_leave_the_window_to_the_tasks_behind_them(
+def test_tasks_behind_a_busy_key_are_parked_and_the_tasks_behind_them_run(
     app: Celery, one_slot: OneSlot, key: str
 ) -> None:
-    # Behind a held lock one task is parked, widening the window of 1; the others go to the
-    # child, which retries them through the broker. Parked, they would fill the window, and
-    # a task queued behind them all would wait for the lock although it needs nothing.
+    # Behind a held lock every task is parked, each widening the prefetch window by one, so the
+    # worker keeps fetching: a task queued behind them all runs at once, and none of the parked
+    # ones goes back through the broker. They stand in line in the order they were sent.
     sem, blocker = blocked(app, f"locked:{key}")
     results = [app.tasks["t.locked"].apply_async((key,), queue=one_slot.queue) for _ in range(6)]
     other = app.tasks["t.counted"].apply_async((f"{key}-other", 0.0), queue=one_slot.queue)
     assert other.get(timeout=20)["contention_retries"] == 0
-    assert {r.state for r in results} <= {"PENDING", "RETRY"}  # none ran
-    assert len(sem.state().holders) == 1  # still the test's: the lock held throughout
+    wait_until(
+        lambda: [w.permit_id for w in sem.state().waiters] == [r.id for r in results],
+        10,
+        what="every task parked, in line in the order sent",
+    )
+    assert {r.state for r in results} == {"PENDING"}  # none ran, none was retried
+    assert [h.permit_id for h in sem.state().holders] == [blocker.id]
     sem.release(blocker)
     outs = [r.get(timeout=30) for r in results]
-    assert any(out["contention_retries"] > 0 for out in outs)  # not all were parked
+    assert all(out["contention_retries"] == 0 for out in outs)  # no trip through the broker
     assert sem.state().holders == []
     assert sem.state().waiters == []
 

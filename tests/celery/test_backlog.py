@@ -1,0 +1,86 @@
+"""A deep line on one key through real prefork workers: parked in the workers, not cycled
+through the broker, and nothing lost or run twice when a worker is killed in the middle of it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from tests.celery.conftest import holder, running_workers
+from tests.servers import wait_until
+
+
+def _log(app: Celery, key: str) -> list[str]:
+    """The ``start <id>`` / ``end <id>`` events of ``t.counted`` bodies for ``key``."""
+    client = redis.Redis.from_url(app.conf.broker_url)
+    try:
+        entries = client.lrange(f"{app.conf.redsem_key_prefix}:t:log:{key}", 0, -1)
+        most = int(client.get(f"{app.conf.redsem_key_prefix}:t:max:{key}") or 0)
+    finally:
+        client.close()
+    assert most <= 3, f"{most} bodies ran at once on a limit of 3"
+    return [entry.decode() for entry in entries]
+
+
+def _ids(events: list[str], kind: str) -> list[str]:
+    return [event.split(" ", 1)[1] for event in events if event.startswith(kind + " ")]
+
+
+@pytest.mark.slow
+def test_a_backlog_is_parked_and_nothing_is_lost_or_run_twice_when_a_worker_is_killed(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # 40 tasks of 0.15 s on one key (limit 3) through two workers of 2 slots each: the backlog
+    # is parked in the workers. Then one worker (main process and children) is SIGKILLed while
+    # it holds part of the backlog: the bodies it was running are lost with it (their messages
+    # were acknowledged when they started, as Celery does by default), and the tasks it had
+    # parked (unacknowledged) are delivered again to the other worker. Every task starts
+    # exactly once, and never more than 3 at once.
+    queue = f"backlog-{key}"
+    transport = {
+        "global_keyprefix": f"{module_prefix}:kombu:",
+        "visibility_timeout": 4,  # the unacknowledged messages of the dead worker come back
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
+    with running_workers(
+        redis_url,
+        module_prefix,
+        tmp_path,
+        ["b0", "b1"],
+        2,
+        "-Q",
+        queue,
+        broker_transport_options=transport,
+    ) as (victim, survivor):
+        sent = [app.tasks["t.counted"].apply_async((key, 0.15), queue=queue) for _ in range(40)]
+        ids = {result.id for result in sent}
+        wait_until(lambda: len(_ids(_log(app, key), "end")) >= 6, 30, what="the backlog under way")
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        # The dead worker's running bodies never end; every other task ends on the survivor.
+        wait_until(
+            lambda: (
+                len(set(_ids(_log(app, key), "start")) - set(_ids(_log(app, key), "end"))) <= 2
+                and set(_ids(_log(app, key), "start")) == ids
+            ),
+            60,
+            what="every task started, all but the dead worker's running ones ended",
+        )
+        assert survivor.alive()
+    events = _log(app, key)
+    starts = _ids(events, "start")
+    assert sorted(starts) == sorted(ids), "a task ran twice or never"
+    lost_mid_body = set(starts) - set(_ids(events, "end"))
+    assert len(lost_mid_body) <= 2  # the victim's two slots at most
+    for result in sent:
+        if result.id not in lost_mid_body:
+            assert result.get(timeout=10)["name"] == f"counted:{key}"
+    # The dead worker's permits end with their leases; nothing is left in line.
+    sem = holder(app, f"counted:{key}", 3)
+    wait_until(lambda: sem.state().holders == [] and sem.state().waiters == [], 15, what="empty")

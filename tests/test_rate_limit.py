@@ -1,0 +1,156 @@
+"""The core rate limiter (GCRA on the server's clock) against a real server."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+import redis
+
+from celery_redsem import BackendError, ConfigurationError, RateLimiter
+from celery_redsem.core.keys import SemaphoreKeys
+from celery_redsem.core.rate_limit import parse_rate, read_rate_state
+from celery_redsem.core.scripts import GCRA, run_script
+from tests.servers import wait_until
+
+
+@pytest.mark.parametrize(
+    ("rate", "per_second"),
+    [("10/s", 10.0), ("120/m", 2.0), ("3600/h", 1.0), ("5", 5.0), (" 2 / s ", 2.0), (0.5, 0.5)],
+)
+def test_rates_in_celerys_notation(rate: object, per_second: float) -> None:
+    assert parse_rate(rate) == pytest.approx(per_second)
+
+
+@pytest.mark.parametrize("rate", ["0/s", "-1/s", "10/d", "ten/s", "", True, None, float("nan"), 0])
+def test_a_bad_rate_is_a_configuration_error(rate: object) -> None:
+    with pytest.raises(ConfigurationError, match="rate must be"):
+        parse_rate(rate)
+
+
+def test_bad_arguments_are_configuration_errors(redis_client: redis.Redis, prefix: str) -> None:
+    with pytest.raises(ConfigurationError, match="burst"):
+        RateLimiter(redis_client, "r", "1/s", burst=0, prefix=prefix)
+    with pytest.raises(ConfigurationError, match="must not contain"):
+        RateLimiter(redis_client, "a{b}", "1/s", prefix=prefix)
+    limiter = RateLimiter(redis_client, "r", "1/s", prefix=prefix)
+    with pytest.raises(ConfigurationError, match="permit_id"):
+        limiter.attempt("x" * 300)
+    with pytest.raises(ConfigurationError, match="needs a permit_id"):
+        limiter.attempt(book=True)
+    with pytest.raises(ConfigurationError, match="max_wait"):
+        limiter.attempt("p", book=True, max_wait=-1)
+
+
+def test_the_burst_is_admitted_then_the_exact_wait_is_told(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    limiter = RateLimiter(redis_client, "r", "10/s", burst=3, prefix=prefix)
+    assert [bool(limiter.attempt()) for _ in range(4)] == [True, True, True, False]
+    refused = limiter.attempt()
+    assert 0.05 < refused.retry_after <= 0.1
+    assert not refused.booked
+    time.sleep(refused.retry_after)
+    assert limiter.attempt()
+    assert not limiter.attempt()
+
+
+def test_bookings_are_served_first_come_first_served(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    limiter = RateLimiter(redis_client, "r", "20/s", prefix=prefix)
+    assert limiter.attempt("first", book=True)
+    booked = [limiter.attempt(f"p{n}", book=True) for n in range(3)]
+    assert all(b.booked and not b.admitted for b in booked)
+    waits = [b.retry_after for b in booked]
+    assert waits == sorted(waits)
+    assert [round(b - a, 2) for a, b in itertools.pairwise(waits)] == [0.05, 0.05]
+    # A newcomer without a booking is told the slot after the booked ones.
+    assert limiter.attempt().retry_after == pytest.approx(waits[-1] + 0.05, abs=0.01)
+    # Asking early keeps the booking; at its slot the booking admits, without racing anyone.
+    again = limiter.attempt("p0", book=True)
+    assert again.booked
+    assert again.retry_after <= waits[0]
+    time.sleep(again.retry_after)
+    assert limiter.attempt("p0", book=True)
+    assert limiter.attempt("p0")  # idempotent: admitted again, no second slot
+    assert limiter.state().booked == 2
+
+
+def test_a_slot_beyond_max_wait_is_not_booked(redis_client: redis.Redis, prefix: str) -> None:
+    limiter = RateLimiter(redis_client, "r", "1/s", prefix=prefix)
+    assert limiter.attempt("a", book=True)
+    refused = limiter.attempt("b", book=True, max_wait=0.5)
+    assert not refused.booked
+    assert refused.retry_after > 0.5
+    assert limiter.state().booked == 0
+    assert not limiter.wait(0.5)
+
+
+def test_wait_sleeps_until_the_slot(redis_client: redis.Redis, prefix: str) -> None:
+    limiter = RateLimiter(redis_client, "r", "20/s", prefix=prefix)
+    started = time.monotonic()
+    for _ in range(5):
+        limiter.admit(timeout=5)
+    assert 0.19 <= time.monotonic() - started < 1.0
+
+
+def test_the_rate_holds_across_many_clients(redis_url: str, prefix: str) -> None:
+    """Eight threads with their own clients hammer one limiter: admissions on the server's
+    clock never exceed burst + window x rate."""
+    rate, burst, admitted = 50.0, 2, []
+    lock = threading.Lock()
+    stop = time.monotonic() + 1.0
+
+    def hammer() -> None:
+        client = redis.Redis.from_url(redis_url)
+        limiter = RateLimiter(client, "hot", rate, burst=burst, prefix=prefix)
+        while time.monotonic() < stop:
+            if limiter.attempt():
+                with lock:
+                    admitted.append(client.time())
+        client.close()
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    times = sorted(s + us / 1e6 for s, us in admitted)
+    for i, start in enumerate(times):
+        in_window = sum(1 for t in times[i:] if t - start < 0.5)
+        assert in_window <= burst + 0.5 * rate + 1  # the client's TIME comes a moment later
+    assert len(times) >= 0.9 * rate  # and the rate is used
+
+
+def test_keys_share_a_hash_tag_and_expire(redis_client: redis.Redis, prefix: str) -> None:
+    limiter = RateLimiter(redis_client, "idle", "100/s", burst=2, prefix=prefix, keep=0.2)
+    keys = SemaphoreKeys(prefix, "idle")
+    assert limiter.attempt("a", book=True)
+    assert limiter.attempt("b", book=True)
+    assert {k.split("}")[0] for k in (keys.rate, keys.rate_line)} == {f"{prefix}:{{idle"}
+    assert 0 < redis_client.pttl(keys.rate) <= 20
+    assert 0 < redis_client.pttl(keys.rate_line) <= 220
+    wait_until(lambda: not redis_client.exists(keys.rate, keys.rate_line), 3, what="keys gone")
+    assert limiter.state().tat_us is None
+
+
+def test_state_shows_rate_burst_and_next_free_time(redis_client: redis.Redis, prefix: str) -> None:
+    limiter = RateLimiter(redis_client, "s", "2/s", burst=1, prefix=prefix)
+    assert read_rate_state(redis_client, "s", prefix=prefix).rate is None
+    limiter.attempt("a", book=True)
+    limiter.attempt("b", book=True)
+    state = read_rate_state(redis_client, "s", prefix=prefix)
+    assert (state.rate, state.burst, state.booked, state.remembered) == (2.0, 1, 1, 2)
+    assert 0.9 < state.next_free <= 1.0
+    assert state.tat_us is not None
+    assert state.tat_us > state.now_us
+
+
+def test_the_script_refuses_settings_out_of_bounds(redis_client: redis.Redis, prefix: str) -> None:
+    keys = SemaphoreKeys(prefix, "bad")
+    with pytest.raises(BackendError, match="out of bounds"):
+        run_script(GCRA, redis_client, [keys.rate, keys.rate_line], [0, 1, 0, 0, 0, ""], "bad")
+    assert not redis_client.exists(keys.rate, keys.rate_line)
