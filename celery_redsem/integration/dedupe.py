@@ -5,21 +5,32 @@ The mark (:class:`~celery_redsem.core.marks.DedupeMark`) is taken when the task 
 function over the arguments sent. A send that finds another live run's mark gets that run's
 ``AsyncResult`` back (``"raise"``: :class:`~celery_redsem.AlreadyQueued`) and queues nothing.
 
-The run keeps the mark (:class:`RunMark`): it takes it again as it starts (so a message that
-came by another way, ``send_task`` by name, still takes it or, if another run has it, ends as a
-duplicate), then, once it holds its permit, ties it to the permit: from then on the mark lives
-exactly as long as the permit's lease, which the heartbeat renews, so a lost worker frees the
-key within a lease. It is cleared on every way the run ends (success, failure, skip; revoke,
-expiry and a lost child from the worker's main process), but kept across a retry (the same task
-id comes back). A queued run's mark lives for ``redsem_dedupe_lease`` seconds from its send
-(plus the send's countdown or ETA), so a lost message cannot block the key for longer.
+The run keeps the mark (:class:`RunMark`): it claims it again as it starts (a message that came
+by another way and was not checked on receipt still takes it or, if another run has it, ends as
+a duplicate), then, once it holds its permit, ties it to the permit: from then on the mark
+counts only while the permit's lease (which the heartbeat renews) has not ended, so a lost
+worker frees the key within a lease. It is cleared on every way the run ends (success, failure,
+skip; revoke, expiry and a lost child from the worker's main process), but kept across a retry
+(the same task id comes back). A queued run's mark lives for ``redsem_dedupe_lease`` seconds
+from its send (plus the send's countdown or ETA), so a lost message cannot block the key for
+longer; a running run renews its mark's TTL every third of it (:class:`MarkKeeper`), so a run
+longer than ``redsem_dedupe_lease`` keeps it.
+
+A message that did not take the mark as it was sent (``send_task`` by name, a step of a canvas
+sent while another run had the mark) takes it when it reaches a worker
+(:func:`~celery_redsem.integration.sending.mark_received`, in the worker's main process): if
+another live run has it then, the request carries :data:`DUPLICATE_FIELD` and the run ends as
+a duplicate when it starts, whatever happened meanwhile, as a send would have decided.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from datetime import datetime
 from typing import Any
 
@@ -35,12 +46,24 @@ from celery_redsem.integration.busy import skipped
 from celery_redsem.integration.config import RedsemConfig, get_client, get_config
 from celery_redsem.integration.waiting import release_quietly
 
-__all__ = ["DEDUPE", "RunMark", "clear_quietly", "end_duplicate", "mark_of", "queued_ttl"]
+__all__ = [
+    "DEDUPE",
+    "DUPLICATE_FIELD",
+    "MarkKeeper",
+    "RunMark",
+    "clear_quietly",
+    "end_duplicate",
+    "mark_of",
+    "queued_ttl",
+]
 
 logger = logging.getLogger(__name__)
 
 #: ``dedupe=``: off, on (a repeated send gets the queued run's result), or raise.
 DEDUPE = Rule("False, True or 'raise'", lambda value: value in (False, True, "raise"))
+#: Field of a request that the worker's main process sets, to the id of the run that has the
+#: mark, when the message reached it while another live run had the mark.
+DUPLICATE_FIELD = "redsem_duplicate_of"
 
 
 def mark_of(app: Celery, name: str, config: RedsemConfig | None = None) -> DedupeMark:
@@ -68,13 +91,17 @@ class RunMark:
         self.mark = mark_of(app, name, config)
         self.task_id = task_id
         self.ttl = config.dedupe_lease
+        self.permit_id: str | None = None
 
-    def claim(self) -> str | None:
+    def claim(self, request: Context) -> str | None:
         """Take the mark as the run starts: None if this run has it, else the id of the run
-        that does (this one is a duplicate). If Redis fails the run goes on (logged): the
-        permit still limits it."""
+        that does (this one is a duplicate, or was found to be one as its message reached the
+        worker). If Redis fails the run goes on (logged): the permit still limits it."""
+        other = _duplicate_of(request)
+        if other is not None and other != self.task_id:
+            return other
         try:
-            holder = self.mark.take(self.task_id, self.ttl)
+            holder = self.mark.claim(self.task_id, self.ttl)
         except BackendError as exc:
             logger.warning(
                 "celery_redsem: could not check the dedupe mark of %r for run %s: %s",
@@ -86,16 +113,31 @@ class RunMark:
         return None if holder == self.task_id else holder
 
     def hold(self, permit_id: str) -> None:
-        """Tie the mark to the run's permit (best effort: a failure is logged)."""
+        """Tie the mark to the run's permit, and renew it while the run goes on (best effort:
+        a failure is logged)."""
+        self.permit_id = permit_id
         try:
             self.mark.hold(self.task_id, permit_id, self.ttl)
         except BackendError as exc:
             logger.warning("celery_redsem: could not keep the dedupe mark of %r: %s", self, exc)
+        _keeper.add(self)
 
-    def clear(self) -> None:
-        """Remove the mark if it is still this run's (best effort: else it ends with its
-        lease)."""
-        clear_quietly(self.mark, self.task_id)
+    def renew(self) -> bool:
+        """Push the TTL of the mark (the keeper calls this); False once it is no longer this
+        run's. A Redis failure is logged, and the next renewal tries again."""
+        try:
+            return self.mark.keep(self.task_id, self.permit_id or "", self.ttl)
+        except BackendError as exc:
+            logger.warning("celery_redsem: could not renew the dedupe mark of %r: %s", self, exc)
+            return True
+
+    def end(self, *, clear: bool = True) -> None:
+        """The run ends: stop renewing the mark, and remove it if it is still this run's (best
+        effort: else it ends with its lease). A run that retried keeps it (``clear=False``):
+        the same task id comes back."""
+        _keeper.remove(self)
+        if clear:
+            clear_quietly(self.mark, self.task_id)
 
     def __repr__(self) -> str:
         return f"<RunMark {self.mark.name!r} {self.task_id}>"
@@ -134,3 +176,72 @@ def end_duplicate(
         )
     args = tuple(request.args or ())
     skipped(task, request.id, sem.name, "duplicate", args=args, kwargs=request.kwargs or {})
+
+
+def _duplicate_of(request: Context) -> str | None:
+    """The run the worker's main process found to have the mark as this run's message reached
+    it, if it found one. The field is removed (also from the request's headers), so that no
+    retry's message carries it."""
+    value = getattr(request, DUPLICATE_FIELD, None)
+    with suppress(AttributeError):
+        delattr(request, DUPLICATE_FIELD)
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict):
+        headers.pop(DUPLICATE_FIELD, None)
+    return value if isinstance(value, str) and value else None
+
+
+class MarkKeeper:
+    """Renews the marks of the runs going on in this process, each every third of its TTL, from
+    one daemon thread that runs while there are any."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict[RunMark, float] = {}  # mark -> when it is next renewed (monotonic)
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, mark: RunMark) -> None:
+        with self._lock:
+            self._due[mark] = time.monotonic() + mark.ttl / 3
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, name="celery_redsem-dedupe-keeper", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def remove(self, mark: RunMark) -> None:
+        with self._lock:
+            self._due.pop(mark, None)
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def _serve(self) -> None:
+        while True:
+            self._wake.clear()
+            with self._lock:
+                if not self._due:
+                    self._thread = None
+                    return
+                now = time.monotonic()
+                due = [mark for mark, at in self._due.items() if at <= now]
+                for mark in due:
+                    self._due[mark] = now + mark.ttl / 3
+                wait = min(self._due.values()) - now
+            for mark in due:
+                if not mark.renew():
+                    self.remove(mark)  # cleared, or taken over: nothing of this run's to renew
+            self._wake.wait(max(0.0, wait))
+
+
+_keeper = MarkKeeper()
+
+
+def _after_fork_in_child() -> None:
+    global _keeper  # noqa: PLW0603
+    _keeper = MarkKeeper()  # the parent's thread (and maybe its held lock) did not come along
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

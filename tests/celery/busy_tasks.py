@@ -2,7 +2,10 @@
 
 Each body counts itself with an independent counter in Redis, as tests/celery/tasks.py does:
 ``<prefix>:b:runs:<key>`` (bodies run), ``<prefix>:b:cur:<key>`` / ``<prefix>:b:max:<key>``
-(running now / most at once). A body given ``hold=True`` waits for ``<prefix>:b:go:<key>``.
+(running now / most at once), ``<prefix>:b:pid:<key>`` (the process of the last body to start).
+A body given ``hold=True`` waits for ``<prefix>:b:go:<key>``. Every
+:data:`~celery_redsem.signals.task_skipped` of the app's tasks, in whatever process, is noted
+in ``<prefix>:b:skipped:<task id>`` (its reason).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import redis
 from celery import Celery
 
 from celery_redsem import with_lock, with_semaphore
+from celery_redsem.signals import task_skipped
 from tests.celery.tasks import make_app
 
 _ENTER = """
@@ -38,6 +42,7 @@ def make_busy_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def body(key: str, hold: bool = False, seconds: float = 0.0) -> str:
         keys = [f"{prefix}:b:{what}:{key}" for what in ("cur", "max", "runs")]
         counter().eval(_ENTER, 3, *keys)
+        counter().set(f"{prefix}:b:pid:{key}", os.getpid())
         try:
             if hold:
                 counter().blpop([f"{prefix}:b:go:{key}"], timeout=30)
@@ -58,8 +63,12 @@ def make_busy_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
 
     @app.task(shared=False, bind=True, name="b.once")
     @with_lock(key=lambda key: f"once:{key}", dedupe=True)
-    def once(self: Any, key: str, hold: bool = False) -> str:
-        return body(key, hold)
+    def once(
+        self: Any, key: str, hold: bool = False, seconds: float = 0.0, boom: bool = False
+    ) -> str:
+        if boom:
+            raise RuntimeError("boom")
+        return body(key, hold, seconds)
 
     @app.task(shared=False, name="b.once_raise")
     @with_lock(key=lambda key: f"once:{key}", dedupe="raise")
@@ -74,4 +83,17 @@ def make_busy_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def plan(account: str, seconds: float = 0.3) -> str:
         return body(account, seconds=seconds)
 
+    def note_skip(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+        if getattr(sender, "app", None) is app:
+            counter().rpush(f"{prefix}:b:skipped:{task_id}", kwargs["reason"])
+
+    task_skipped.connect(note_skip, weak=False, dispatch_uid=f"b:{id(app)}")
     return app
+
+
+def close_busy_app(app: Celery) -> None:
+    """Disconnect what :func:`make_busy_app` connected, then close the app."""
+    from tests.celery.conftest import close_app  # (not in a worker subprocess: it needs pytest)
+
+    task_skipped.disconnect(dispatch_uid=f"b:{id(app)}")
+    close_app(app)

@@ -3,15 +3,17 @@ worker (threads pool) and in eager mode; tests/celery/test_busy_workers.py has p
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, group
 
 from celery_redsem import (
     AlreadyQueued,
@@ -22,9 +24,11 @@ from celery_redsem import (
     with_semaphore,
 )
 from celery_redsem.core.marks import DedupeMark
+from celery_redsem.integration.config import get_config
+from celery_redsem.integration.dedupe import RunMark, _keeper
 from celery_redsem.signals import task_skipped
-from tests.celery.busy_tasks import make_busy_app
-from tests.celery.conftest import blocked, close_app
+from tests.celery.busy_tasks import close_busy_app, make_busy_app
+from tests.celery.conftest import blocked, holder
 from tests.servers import wait_until
 
 
@@ -32,7 +36,7 @@ from tests.servers import wait_until
 def app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
     application = make_busy_app(redis_url, module_prefix)
     yield application
-    close_app(application)
+    close_busy_app(application)
 
 
 @pytest.fixture
@@ -190,12 +194,55 @@ def test_a_revoked_run_frees_its_key(app: Celery, worker: object, counter: redis
     assert task.delay(key).get(timeout=20) == "ran"
 
 
+def test_a_failed_run_clears_its_mark(app: Celery, worker: object, counter: redis.Redis) -> None:
+    key = uuid.uuid4().hex[:10]
+    failed = app.tasks["b.once"].delay(key, boom=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        failed.get(timeout=20)
+    mark_key = f"{app.conf.redsem_key_prefix}:{{once:{key}}}:dedupe"
+    wait_until(lambda: not counter.exists(mark_key), 10, what="the mark cleared")
+    assert app.tasks["b.once"].delay(key).get(timeout=20) == "ran"
+
+
+def test_a_group_of_one_key_runs_once_and_completes(
+    app: Celery, worker: object, counter: redis.Redis, skips: list[dict[str, Any]]
+) -> None:
+    key = uuid.uuid4().hex[:10]
+    result = group(app.tasks["b.once"].si(key, hold=True) for _ in range(3)).apply_async()
+    wait_until(lambda: _count(counter, app, "runs", key) == 1, 20, what="the run")
+    _go(counter, app, key)
+    assert sorted(result.get(timeout=20), key=str) == [None, None, "ran"]
+    ids = {r.id for r in result.results}
+    assert sorted(s["reason"] for s in skips if s["task_id"] in ids) == ["duplicate"] * 2
+    assert _count(counter, app, "runs", key) == 1
+
+
+def test_a_running_mark_is_renewed_until_its_run_ends(app: Celery, counter: redis.Redis) -> None:
+    config = dataclasses.replace(get_config(app), dedupe_lease=0.3)
+    name = f"once:{uuid.uuid4().hex[:10]}"
+    mark_key = f"{app.conf.redsem_key_prefix}:{{{name}}}:dedupe"
+    run = RunMark(app, name, "run-1", config)
+    run.hold("permit-1")
+    started = time.monotonic()
+    while time.monotonic() - started < 1.0:  # (an invariant over a span of time)
+        assert counter.hget(mark_key, "id") == b"run-1"
+        assert 0 < counter.pttl(mark_key) <= 300
+        time.sleep(0.05)
+    run.end()
+    assert not counter.exists(mark_key)
+    wait_until(lambda: len(_keeper) == 0, 5, what="the keeper to let go")
+
+
 def test_eager_dedupe_runs_and_clears(app: Celery, counter: redis.Redis) -> None:
     key = uuid.uuid4().hex[:10]
+    mark_key = f"{app.conf.redsem_key_prefix}:{{once:{key}}}:dedupe"
     app.conf.task_always_eager = True
     try:
         assert app.tasks["b.once"].delay(key).get() == "ran"
         assert app.tasks["b.once"].delay(key).get() == "ran"
+        with pytest.raises(RuntimeError, match="boom"):
+            app.tasks["b.once"].delay(key, boom=True).get()
+        assert not counter.exists(mark_key)
     finally:
         app.conf.task_always_eager = False
     assert _count(counter, app, "runs", key) == 2
@@ -209,6 +256,27 @@ def test_a_limit_per_key_is_reached_and_never_exceeded(
         burst = [app.tasks["b.plan"].delay(account) for _ in range(8)]
         assert [r.get(timeout=60) for r in burst] == ["ran"] * 8
         assert _count(counter, app, "max", account) == limit
+
+
+def test_a_changed_limit_applies_to_new_grants_and_holders_keep_theirs(app: Celery) -> None:
+    # What a limit function's new answer does (a customer's plan downgraded from 3 to 1).
+    name = f"plan:{uuid.uuid4().hex[:10]}"
+    before = holder(app, name, limit=3)
+    held = [before.acquire() for _ in range(3)]
+    assert all(held)
+    after = holder(app, name, limit=1)
+    assert after.acquire() is None
+    assert {h.permit_id for h in after.state().holders} == {p.id for p in held if p}
+    for permit in held[:2]:
+        assert permit is not None
+        before.release(permit)
+    assert after.acquire() is None  # one holder left: the new limit is reached
+    assert held[2] is not None
+    before.release(held[2])
+    granted = after.acquire()
+    assert granted is not None
+    assert after.acquire() is None
+    after.release(granted)
 
 
 @pytest.mark.parametrize(
