@@ -322,3 +322,88 @@ def test_each_side_refuses_the_other_sides_client(redis_url, redis_client):
                 FairSemaphore(client, "x", 1)  # type: ignore[arg-type]
 
     run(main())
+
+
+def test_sync_and_async_waiters_share_one_line_in_arrival_order(redis_url, redis_client, prefix):
+    """Waiters of both kinds, alternating: served first come, first served, each woken by the
+    release before it."""
+    sync_lock = Lock(redis_client, "mixed", prefix=prefix, waiter_lease=30)
+    served: list[int] = []
+
+    def sync_waiter(i: int) -> None:
+        client = redis.Redis.from_url(redis_url)  # a thread's own client
+        try:
+            lock = Lock(client, "mixed", prefix=prefix, waiter_lease=30)
+            permit = lock.acquire(blocking=True, timeout=20)
+            assert permit is not None
+            served.append(i)
+            lock.release(permit)
+        finally:
+            client.close()
+
+    async def async_waiter(lock: AsyncLock, i: int) -> None:
+        permit = await lock.acquire(blocking=True, timeout=20)
+        assert permit is not None
+        served.append(i)
+        await lock.release(permit)
+
+    async def main() -> None:
+        async with async_client(redis_url) as client:
+            lock = AsyncLock(client, "mixed", prefix=prefix, waiter_lease=30)
+            holder = sync_lock.acquire()
+            assert holder is not None
+            waiting = []
+            for i in range(6):
+                if i % 2:
+                    waiting.append(asyncio.create_task(asyncio.to_thread(sync_waiter, i)))
+                else:
+                    waiting.append(asyncio.create_task(async_waiter(lock, i)))
+                await waiters_in_line(lock, i + 1, f"waiter {i} in line")
+            started = time.monotonic()
+            sync_lock.release(holder)
+            await asyncio.gather(*waiting)
+            assert time.monotonic() - started < 5  # woken, not at the end of 10 s rounds
+
+    run(main())
+    assert served == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_a_hold_cancelled_as_it_ends_still_releases_its_permit(redis_url, prefix, keep_alive):
+    """The cancellation reaches ``hold`` as it leaves (stopping the renewal, or releasing on a
+    new connection): the permit is given back all the same, not kept for its lease."""
+
+    async def main() -> None:
+        async with async_client(redis_url) as client:
+            lock = AsyncLock(client, "cancelled", prefix=prefix, lease=30)
+
+            async def holder() -> None:
+                async with lock.hold(keep_alive=keep_alive):
+                    current = asyncio.current_task()
+                    assert current is not None
+                    await client.connection_pool.disconnect()  # the release must connect
+                    current.cancel()  # delivered at the block's first await: its exit
+
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.create_task(holder())
+
+            async def released() -> bool:
+                return not await lock.locked()
+
+            await eventually(released, 5, "the permit given back")
+
+    run(main())
+
+
+def test_a_valkey_py_asyncio_client_is_refused_with_a_clear_error(redis_url):
+    valkey_asyncio = pytest.importorskip("valkey.asyncio")
+
+    async def main() -> None:
+        client = valkey_asyncio.Valkey.from_url(redis_url)
+        try:
+            with pytest.raises(ConfigurationError, match=r"redis\.asyncio\.Redis.*valkey"):
+                AsyncLock(client, "valkey")  # type: ignore[arg-type]
+        finally:
+            await client.aclose()
+
+    run(main())

@@ -48,6 +48,63 @@ def test_the_documented_test_passes_as_written(
     result.assert_outcomes(passed=2)
 
 
+RESET_CONFTEST = """
+import pytest
+from celery import Celery
+
+from celery_redsem import current_permit, with_lock
+
+app = Celery("user-app", set_as_current=False, broker="memory://", backend="cache+memory://")
+
+
+@app.task
+@with_lock(key="nightly")
+def nightly():
+    return current_permit().permit.prefix
+
+
+@pytest.fixture(scope="session")
+def redsem_celery_app():
+    return app
+"""
+
+RESET_TESTS = """
+from conftest import nightly
+
+from celery_redsem import get_config
+from celery_redsem.core.keys import DEFAULT_PREFIX
+
+
+def test_first(redsem_configure, redsem_celery_app, redsem_key_prefix):
+    redsem_configure(redsem_celery_app, task_always_eager=True)
+    assert nightly.delay().get() == redsem_key_prefix
+
+
+def test_second_with_its_own_prefix(redsem_configure, redsem_celery_app, redsem_key_prefix):
+    redsem_configure(redsem_celery_app, task_always_eager=True)
+    assert nightly.delay().get() == redsem_key_prefix
+
+
+def test_then_the_app_is_as_it_was(redsem_celery_app):
+    assert not redsem_celery_app.conf.task_always_eager
+    assert redsem_celery_app.conf.get("redsem_redis_url") is None
+    assert get_config(redsem_celery_app).key_prefix == DEFAULT_PREFIX
+"""
+
+
+def test_each_test_gets_its_own_settings_read_afresh_and_the_app_back_after(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``redsem_configure`` resets the app's cached settings (``config.reset``) when it
+    applies them and again when it restores them: without that, the second test would run
+    under the first test's prefix. The plugin's own embedded server here, not the session's."""
+    monkeypatch.delenv("REDSEM_TEST_REDIS_URL", raising=False)
+    pytester.makeconftest(RESET_CONFTEST)
+    pytester.makepyfile(test_user=RESET_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=120)
+    result.assert_outcomes(passed=3)
+
+
 def test_loading_the_plugin_starts_nothing(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

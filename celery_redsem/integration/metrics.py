@@ -5,9 +5,12 @@ and ``prometheus_client`` is not imported. Every metric is labelled by task name
 by semaphore name: one per account would be one time series per account):
 
 * ``redsem_grants_total``: permits granted to task runs (in a pool child, in the main process
-  at admission, or to an eager call);
-* ``redsem_waits_total{how}``: a run that could not have its permit yet, by how it waits:
-  ``retry`` (re-published with a countdown) or ``park`` (held in the main process, admission);
+  at admission, or to an eager call). In a task with more than one guard, another guard may
+  send the run back to wait (a retry) after the grant, which it then gives back: there a
+  grant counts when the run ends other than by a retry, so each run counts once;
+* ``redsem_waits_total{how}``: rounds of waiting for a permit, by how: ``retry`` (the run
+  re-published with a countdown) or ``park`` (a spell parked in the main process, admission).
+  A run that waits long waits several rounds;
 * ``redsem_skips_total``: runs skipped because their semaphore was busy
   (:func:`record_skip`);
 * ``redsem_timeouts_total``: runs that failed with :class:`~celery_redsem.AcquireTimeout`;
@@ -24,7 +27,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from celery import states
 from celery.app.task import Context
+from celery.signals import task_postrun
 
 from celery_redsem.core.lease_events import (
     LostPermit,
@@ -70,6 +75,10 @@ class Metrics(NamedTuple):
     parked: Gauge
 
 
+#: Where a run keeps its grants until it ends (see record_run_grant), on its request.
+_PENDING = "_redsem_pending_grants"
+_POSTRUN_UID = f"{__name__}.count_pending_grants"
+
 _lock = threading.Lock()
 _metrics: Metrics | None = None
 _registry: Any = None
@@ -98,7 +107,7 @@ def enable_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             ),
             waits=prom.Counter(
                 "waits",
-                "Task runs that waited for a permit, by how: retry or park.",
+                "Rounds of waiting for a permit, by how: a retry or a spell parked.",
                 ("task", "how"),
                 namespace=ns,
                 registry=None,
@@ -136,6 +145,7 @@ def enable_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             target.register(metric)
         _metrics, _registry = metrics, target
     add_loss_listener(_on_loss)
+    task_postrun.connect(_on_postrun, weak=False, dispatch_uid=_POSTRUN_UID)
     return metrics
 
 
@@ -150,6 +160,7 @@ def _unregister() -> None:
 def disable_metrics() -> None:
     """Turn the metrics off and take them out of their registry."""
     remove_loss_listener(_on_loss)
+    task_postrun.disconnect(_on_postrun, dispatch_uid=_POSTRUN_UID)
     with _lock:
         _unregister()
 
@@ -179,19 +190,33 @@ def record_grant(task_name: str, waited: float) -> None:
 
 
 def record_run_grant(
-    task_name: str, permit: Permit, request: Context | None, started: float, *, handed: bool
+    task_name: str,
+    permit: Permit,
+    request: Context | None,
+    started: float,
+    *,
+    handed: bool,
+    other_guards: bool,
 ) -> None:
     """The guard's run got ``permit`` (asked for at monotonic ``started``; ``handed``: by the
-    worker's main process, which counted it at admission)."""
+    worker's main process, which counted it at admission; ``other_guards``: the task has
+    more than one guard, semaphore or rate limit)."""
     if _metrics is None or handed:
         return
-    since_ms = 0
-    if request is not None and not request.is_eager and not request.called_directly:
-        since_ms = read_wait(request).first_ms  # set by earlier retries or parking, if any
+    in_worker = request is not None and not request.is_eager and not request.called_directly
+    # Since the first ask of earlier retries or parking, if any (set in the message header).
+    since_ms = read_wait(request).first_ms if in_worker and request is not None else 0
     if since_ms > 0:
-        record_grant(task_name, (server_ms(permit, 0) - since_ms) / 1000)
+        waited = (server_ms(permit, 0) - since_ms) / 1000
     else:
-        record_grant(task_name, time.monotonic() - started)
+        waited = time.monotonic() - started
+    if in_worker and other_guards:
+        # Another guard may still send the run back (a retry) before its body starts: count
+        # this grant once the run ends, unless it ends so (see _on_postrun).
+        pending = getattr(request, _PENDING, None) or ()
+        setattr(request, _PENDING, (*pending, (task_name, waited)))
+        return
+    record_grant(task_name, waited)
 
 
 def record_admission_grant(req: Any, permit: Permit, first_ms: int) -> None:
@@ -239,6 +264,18 @@ def record_timeout(task_name: str) -> None:
     metrics = _metrics
     if metrics is not None:
         metrics.timeouts.labels(task_name).inc()
+
+
+def _on_postrun(task: Any = None, state: str | None = None, **_: Any) -> None:
+    """A run ended: count the grants it kept pending, unless it was sent back (a retry)."""
+    request = getattr(task, "request", None)
+    pending = getattr(request, _PENDING, None)
+    if not pending:
+        return
+    setattr(request, _PENDING, ())
+    if state != states.RETRY:
+        for task_name, waited in pending:
+            record_grant(task_name, waited)
 
 
 def _on_loss(held: LostPermit) -> None:

@@ -2,8 +2,10 @@
 
 * ``buy_item`` / ``sell_item``: at most 5 calls at once and 20 a second per account (the
   marketplace's published limits), shared by buying and selling because they use the same key.
+  A sale offer stands for a few seconds: a sale that cannot start by then fails.
 * ``stream_market_feed``: one long-running feed per account; a lock whose short lease the
-  worker's heartbeat keeps alive for as long as the stream runs.
+  worker's heartbeat keeps alive for as long as the stream runs. A feed asked for while the
+  account's feed streams is skipped.
 * ``build_daily_report``: one build per day at a time; the fencing token keeps an older build
   from overwriting a newer one.
 """
@@ -34,6 +36,8 @@ logger = get_task_logger(__name__)
 ACCOUNT_LIMIT = 5
 #: ... and at most this many calls a second per account (a run starts only in its slot).
 ACCOUNT_RATE = "20/s"
+#: Seconds a sale offer stands: a sale that cannot start by then fails (AcquireTimeout).
+OFFER_SECONDS = 3.0
 
 
 def account_key(account_id: str) -> str:
@@ -55,18 +59,23 @@ def buy_item(
 
 
 @shared_task(bind=True)
-@with_semaphore(limit=ACCOUNT_LIMIT, key=account_key)
+@with_semaphore(limit=ACCOUNT_LIMIT, key=account_key, max_wait=OFFER_SECONDS)
 @with_rate_limit(ACCOUNT_RATE, key=account_key)
 def sell_item(self: Any, account_id: str, item_id: str, seconds: float = 0.5) -> str:
-    """Sell ``item_id`` for ``account_id``; shares the account's limit with :func:`buy_item`."""
+    """Sell ``item_id`` for ``account_id``; shares the account's limit with :func:`buy_item`.
+
+    The offer stands for :data:`OFFER_SECONDS`: a sale still waiting for its turn by then
+    fails with :class:`~celery_redsem.AcquireTimeout`.
+    """
     market_api.call(account_id, f"sell {item_id}", seconds)
     return f"{account_id} sold {item_id}"
 
 
 @shared_task(bind=True)
-@with_lock(key=lambda account_id: f"feed:{account_id}")
+@with_lock(key=lambda account_id: f"feed:{account_id}", on_busy="skip")
 def stream_market_feed(self: Any, account_id: str, seconds: float = 30.0) -> dict[str, Any]:
-    """Follow the market feed of ``account_id`` for ``seconds``: one stream per account.
+    """Follow the market feed of ``account_id`` for ``seconds``: one stream per account. A
+    feed asked for while that account's feed streams is skipped (its state: SUCCESS, None).
 
     The stream runs far longer than a lease; the heartbeat renews the lock in the background.
     Each tick is published with the lock's fencing token, and the lowest lease left seen on the

@@ -4,6 +4,8 @@ import os
 
 from celery import Celery
 
+from . import metrics  # noqa: F401  (Prometheus metrics, if REDSEM_METRICS_PORT is set)
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
 
 app = Celery("proj")

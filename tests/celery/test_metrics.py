@@ -55,6 +55,26 @@ def test_grants_waits_and_the_wait_histogram_move(
     assert fast >= 1  # the uncontended grant is in the lowest buckets
 
 
+def test_a_grant_given_back_for_the_next_guard_counts_once(
+    app: Celery, worker: object, key: str, registry: CollectorRegistry
+) -> None:
+    """The outer semaphore grants, the inner lock is held by the test, so the run gives the
+    outer permit back and retries, again and again: each semaphore counts one grant, for the
+    run that ran."""
+    sem, blocker = blocked(app, f"inner:{key}")
+    result = app.tasks["t.two_guards"].delay(key)
+    wait_until(
+        lambda: value(registry, "waits_total", task="t.two_guards", how="retry") >= 3,
+        20,
+        what="three contention retries, each after an outer grant",
+    )
+    assert value(registry, "grants_total", task="t.two_guards") == 0
+    sem.release(blocker)
+    result.get(timeout=20)
+    assert value(registry, "grants_total", task="t.two_guards") == 2  # outer and inner
+    assert value(registry, "wait_seconds_count", task="t.two_guards") == 2
+
+
 def test_an_eager_call_counts_its_grant(app: Celery, key: str, registry: CollectorRegistry) -> None:
     app.tasks["t.locked"].apply(args=(key,)).get()
     assert value(registry, "grants_total", task="t.locked") == 1
