@@ -1,5 +1,6 @@
 """An acquire whose reply never arrives: the error names the permit id, so the permit the
-server granted can be released, and hold() releases it itself (issue 20, item 8).
+server granted can be released, and hold() (and an eager or direct call of a guarded task)
+releases it itself (issue 20, item 8).
 
 The lost reply is real: a small TCP proxy in front of the test server passes every request on
 and, once told, swallows the replies on the connections open at that moment."""
@@ -14,10 +15,12 @@ from urllib.parse import urlparse
 
 import pytest
 import redis
+from celery import Celery
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_redsem import BackendError, FairSemaphore, Permit
+from celery_redsem import BackendError, FairSemaphore, Permit, with_lock
+from celery_redsem.integration.config import reset
 from tests.servers import HOST, wait_until
 
 
@@ -151,3 +154,33 @@ def test_hold_releases_a_grant_whose_reply_was_lost(
     assert _holder_ids(redis_client, prefix) == []  # not left held for a 30 s lease
     later = _sem(redis_client, prefix).acquire()
     assert isinstance(later, Permit)
+
+
+def test_an_eager_task_releases_a_grant_whose_reply_was_lost(
+    redis_client: redis.Redis, prefix: str, proxy: ReplyEater
+) -> None:
+    app = Celery("redsem-unanswered", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        redsem_redis_url=f"redis://{HOST}:{proxy.port}/0",
+        redsem_redis_options={"socket_timeout": 0.3, "retry": Retry(NoBackoff(), 0)},
+        redsem_key_prefix=prefix,
+        redsem_lease=30,
+    )
+
+    @app.task(name="t.unanswered")
+    @with_lock(key="unanswered")
+    def guarded() -> str:
+        return "ran"
+
+    try:
+        for _ in range(3):  # open the connections the next call uses, load the scripts
+            assert guarded.delay().get(timeout=5) == "ran"
+        proxy.swallow_replies()
+        with pytest.raises(BackendError) as info:
+            guarded.delay().get(timeout=10)
+        assert info.value.permit_id is not None
+        assert _holder_ids(redis_client, prefix) == []  # not left held for a 30 s lease
+    finally:
+        reset(app)
+        app.close()

@@ -45,9 +45,14 @@ def test_a_key_function_that_exits_fails_its_task_not_the_worker(
         bad_key = app.tasks["t.bad_key"]
         for mode, fragment in [("exit", "SystemExit(3)"), ("interrupt", "KeyboardInterrupt()")]:
             result = bad_key.apply_async((mode,), queue=queue)
+            wait_until(
+                lambda result=result: result.ready() or not proc.alive(),
+                30,
+                what=f"the task whose key function raises {fragment} to end",
+            )
+            assert proc.alive(), f"the key function's {fragment} stopped the worker:\n{proc.log()}"
             with pytest.raises(KeyFunctionError, match=re.escape(fragment)):
-                result.get(timeout=30)
-            assert proc.alive(), proc.log()
+                result.get(timeout=5)
         assert bad_key.apply_async(("good",), queue=queue).get(timeout=30) == "ran"
         assert proc.alive(), proc.log()
 
