@@ -140,6 +140,7 @@ def make_app(
                 "end": end,
                 "retries": retries,
                 "pid": os.getpid(),
+                "id": request.id,
             }
         )
         client().rpush(f"{prefix}:b:{tag}:done", record)

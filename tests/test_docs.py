@@ -17,9 +17,14 @@ CONFVAL = re.compile(r"^\.\. confval:: (\S+)\s*$", re.MULTILINE)
 
 def not_settings() -> set[str]:
     """``redsem_*`` strings of the package that are not settings (a message header, ...)."""
-    from celery_redsem.integration import handoff, waiting
+    from celery_redsem.integration import dedupe, handoff, standby, waiting
 
-    return {waiting.WAIT_HEADER, handoff.GRANT_FIELD}
+    return {
+        waiting.WAIT_HEADER,
+        handoff.GRANT_FIELD,
+        dedupe.DUPLICATE_FIELD,
+        standby.STANDBY_FIELD,
+    }
 
 
 def _owner_name(node: ast.expr) -> str:

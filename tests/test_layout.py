@@ -204,3 +204,35 @@ def test_lock_passes_each_option_on():
     assert (lock.limit, lock.lease, lock.waiter_lease, lock.idle_ttl) == (1, 7.0, 3.0, 9.0)
     assert (lock.keys.prefix, lock.min_replicas, lock.replica_timeout) == ("p", 0, 0.25)
     assert lock._clock is clock
+
+
+def _keyword_only(function: typing.Callable[..., object]) -> list[str]:
+    params = inspect.signature(function).parameters.values()
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def test_with_semaphore_takes_exactly_the_guard_options_and_with_lock_passes_them_on():
+    from celery_redsem import with_lock, with_semaphore
+    from celery_redsem.integration.task_guard import GuardOptions
+
+    assert _keyword_only(with_semaphore) == list(typing.get_type_hints(GuardOptions))
+    assert list(inspect.signature(with_lock).parameters) == ["key", "options"]
+    decorator: typing.Any = with_lock("k", lease=7.0, on_busy="skip", dedupe=True)
+    assert decorator.options == {
+        "limit": 1,
+        "key": "k",
+        "lease": 7.0,
+        "max_wait": None,
+        "lost_lease_policy": None,
+        "on_busy": "skip",
+        "dedupe": True,
+    }
+
+
+def test_every_attempt_takes_exactly_the_attempt_options():
+    from celery_redsem.core.semaphore_spec import AttemptOptions
+
+    options = list(typing.get_type_hints(AttemptOptions))
+    assert _keyword_only(FairSemaphore.attempt) == options
+    for variadic in (AsyncFairSemaphore.attempt, FairSemaphore.attempt_command):
+        assert list(inspect.signature(variadic).parameters)[-1] == "options"

@@ -23,6 +23,7 @@ from celery_redsem.core.errors import BackendError
 from celery_redsem.core.permits import HolderInfo, Permit, SemaphoreState, WaiterInfo, Waiting
 from celery_redsem.core.scripts import ACQUIRE, REFRESH, RELEASE, STATE, declared_keys
 from celery_redsem.core.semaphore_spec import (
+    AttemptOptions,
     CommonOptions,
     SemaphoreSpec,
     naming,
@@ -66,18 +67,14 @@ class FairSemaphore(SemaphoreSpec):
     # -- acquiring -----------------------------------------------------------------------------
 
     async def attempt(
-        self,
-        permit_id: str | None = None,
-        *,
-        join_line: bool = False,
-        waiter_lease: float | None = None,
-        back_in: float = 0.0,
+        self, permit_id: str | None = None, **options: Unpack[AttemptOptions]
     ) -> Permit | Waiting:
         """One try, one round trip: a :class:`~celery_redsem.Permit`, or where the caller
-        stands in line (as the sync :meth:`celery_redsem.FairSemaphore.attempt`)."""
+        stands in line. The options (``join_line``, ``waiter_lease``, ``back_in``) are the
+        sync :meth:`celery_redsem.FairSemaphore.attempt`'s."""
         pid = self._permit_id(permit_id)
         try:
-            arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
+            arg = self._acquire_arg(pid, options)
             reply = await run_script(ACQUIRE, self.client, self._keys, [arg], self.name)
         except BackendError as exc:
             naming(exc, pid)
@@ -125,7 +122,7 @@ class FairSemaphore(SemaphoreSpec):
             raise
         except asyncio.CancelledError:
             with suppress(BackendError):
-                await self.release(pid)
+                await asyncio.shield(self.release(pid))
             raise
         finally:
             await waiter.close()
@@ -146,6 +143,9 @@ class FairSemaphore(SemaphoreSpec):
         lost by a renewal, or the last confirmed lease ended and the server says so), leaving
         the block raises :class:`~celery_redsem.PermitLost`, unless the block is already
         raising. A late renewal is logged (logger ``celery_redsem.asyncio.renewal``).
+
+        The release on leaving is shielded: a cancellation of the caller that arrives then
+        does not keep the permit for its lease.
         """
         try:
             permit, granted_at = await self._acquire(True, timeout, permit_id)
@@ -162,8 +162,10 @@ class FairSemaphore(SemaphoreSpec):
         try:
             yield permit
         finally:
-            lost = renewal is not None and await renewal.stop()
-            released = await self.release(permit)
+            try:
+                lost = renewal is not None and await renewal.stop()
+            finally:  # shielded: a cancellation arriving now does not keep the permit
+                released = await asyncio.shield(self.release(permit))
         if lost or not released:
             raise self._lost_in_block(permit, keep_alive)
 

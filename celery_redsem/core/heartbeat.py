@@ -41,7 +41,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, PermitLost
@@ -72,6 +72,27 @@ def _set_async_exc(thread_id: int, exc_type: type[BaseException] | None) -> int:
     """Schedule ``exc_type`` in thread ``thread_id`` (None: cancel a pending one)."""
     target = ctypes.py_object(exc_type) if exc_type is not None else None
     return int(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), target))
+
+
+T = TypeVar("T")
+
+
+class _OfPermit(Generic[T]):
+    """A field of a :class:`HeldPermit`'s latest permit, read through it."""
+
+    def __init__(self, field: str, doc: str) -> None:
+        self.field = field
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, held: None, owner: type[Any]) -> _OfPermit[T]: ...
+    @overload
+    def __get__(self, held: HeldPermit, owner: type[Any]) -> T: ...
+    def __get__(self, held: HeldPermit | None, owner: type[Any]) -> _OfPermit[T] | T:
+        if held is None:
+            return self
+        value: T = getattr(held.permit, self.field)
+        return value
 
 
 class HeldPermit:
@@ -117,25 +138,10 @@ class HeldPermit:
         """The latest refreshed permit."""
         return self._permit
 
-    @property
-    def id(self) -> str:
-        """The permit id (a task's id)."""
-        return self._permit.id
-
-    @property
-    def name(self) -> str:
-        """The semaphore's name."""
-        return self._permit.name
-
-    @property
-    def token(self) -> int:
-        """The fencing token of this grant."""
-        return self._permit.token
-
-    @property
-    def expires_at(self) -> int:
-        """Lease expiry after the latest refresh, server milliseconds."""
-        return self._permit.expires_at
+    id = _OfPermit[str]("id", "The permit id (a task's id).")
+    name = _OfPermit[str]("name", "The semaphore's name.")
+    token = _OfPermit[int]("token", "The fencing token of this grant.")
+    expires_at = _OfPermit[int]("expires_at", "Lease expiry after the latest refresh, server ms.")
 
     @property
     def lost(self) -> bool:

@@ -7,6 +7,7 @@ slot and every script can touch them atomically.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, overload
 
 from celery_redsem.core.errors import ConfigurationError
 
@@ -44,6 +45,21 @@ def validate_prefix(prefix: object) -> str:
     return prefix
 
 
+class _Key:
+    """One key of a semaphore, ``<prefix>:{<name>}:<suffix>``; its docstring says what it holds."""
+
+    def __init__(self, suffix: str, doc: str) -> None:
+        self.suffix = suffix
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, keys: None, owner: type[Any]) -> _Key: ...
+    @overload
+    def __get__(self, keys: SemaphoreKeys, owner: type[Any]) -> str: ...
+    def __get__(self, keys: SemaphoreKeys | None, owner: type[Any]) -> _Key | str:
+        return self if keys is None else f"{keys.base}:{self.suffix}"
+
+
 @dataclass(frozen=True)
 class SemaphoreKeys:
     """The Redis keys of one semaphore."""
@@ -56,51 +72,34 @@ class SemaphoreKeys:
         """Common part of every key: ``<prefix>:{<name>}``."""
         return f"{self.prefix}:{{{self.name}}}"
 
-    @property
-    def holders(self) -> str:
+    holders = _Key(
+        "holders",
         """Hash: permit id -> ``<token>:<lease expiry ms>``, plus the semaphore's counters
-        ``:fence``, ``:limit``, ``:ticket``, ``:queued``, ``:next``, ``:horizon`` and ``:gate``."""
-        return f"{self.base}:holders"
-
-    @property
-    def waiters(self) -> str:
-        """Sorted set: permit id -> ticket (FIFO order of the waiting line)."""
-        return f"{self.base}:waiters"
-
-    @property
-    def waiter_expiry(self) -> str:
-        """Sorted set: permit id -> waiter lease expiry (server ms)."""
-        return f"{self.base}:wexp"
-
-    @property
-    def waiter_due(self) -> str:
-        """Sorted set: permit id -> when the waiter said it would be back (server ms)."""
-        return f"{self.base}:wdue"
-
-    @property
-    def dedupe(self) -> str:
-        """Hash: the task run a de-duplicated name is marked for (:mod:`.marks`)."""
-        return f"{self.base}:dedupe"
-
-    @property
-    def wake_prefix(self) -> str:
-        """Prefix of the per-waiter wake-up lists (``<wake_prefix><permit id>``)."""
-        return f"{self.base}:wake:"
+        ``:fence``, ``:limit``, ``:ticket``, ``:queued``, ``:next``, ``:horizon`` and ``:gate``.""",
+    )
+    waiters = _Key("waiters", "Sorted set: permit id -> ticket (FIFO order of the waiting line).")
+    waiter_expiry = _Key("wexp", "Sorted set: permit id -> waiter lease expiry (server ms).")
+    waiter_due = _Key(
+        "wdue", "Sorted set: permit id -> when the waiter said it would be back (server ms)."
+    )
+    dedupe = _Key(
+        "dedupe", "Hash: the task run a de-duplicated name is marked for (:mod:`.marks`)."
+    )
+    wake_prefix = _Key(
+        "wake:", "Prefix of the per-waiter wake-up lists (``<wake_prefix><permit id>``)."
+    )
+    rate = _Key(
+        "rate",
+        """Hash of the rate limiter of this name: its theoretical arrival time (``tat``, server
+        microseconds), ``interval`` and ``burst`` (see ``gcra.lua``).""",
+    )
+    rate_line = _Key(
+        "rate:line", "Sorted set of the rate limiter: permit id -> its slot (server us)."
+    )
 
     def wake(self, permit_id: str) -> str:
         """The list a blocked waiter pops to be told that a permit may be free."""
         return self.wake_prefix + permit_id
-
-    @property
-    def rate(self) -> str:
-        """Hash of the rate limiter of this name: its theoretical arrival time (``tat``, server
-        microseconds), ``interval`` and ``burst`` (see ``gcra.lua``)."""
-        return f"{self.base}:rate"
-
-    @property
-    def rate_line(self) -> str:
-        """Sorted set of the rate limiter: permit id -> its slot (server microseconds)."""
-        return f"{self.base}:rate:line"
 
     @property
     def all(self) -> list[str]:

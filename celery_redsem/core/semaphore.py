@@ -47,7 +47,13 @@ from celery_redsem.core.scripts import (
     script_failed,
     script_keys,
 )
-from celery_redsem.core.semaphore_spec import CommonOptions, SemaphoreSpec, naming
+from celery_redsem.core.semaphore_spec import (
+    AttemptOptions,
+    CommonOptions,
+    SemaphoreSpec,
+    naming,
+    validate_permit_id,
+)
 from celery_redsem.core.state import read_state
 from celery_redsem.core.validation import SECONDS, count_rule
 
@@ -159,7 +165,9 @@ class FairSemaphore(SemaphoreSpec):
         """
         pid = self._permit_id(permit_id)
         try:
-            arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
+            arg = self._acquire_arg(
+                pid, {"join_line": join_line, "waiter_lease": waiter_lease, "back_in": back_in}
+            )
             if self.min_replicas:
                 return self._attempt_acknowledged(pid, [arg])
             # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two
@@ -172,6 +180,25 @@ class FairSemaphore(SemaphoreSpec):
             naming(exc, pid)
             raise
         return self._result(pid, reply)
+
+    def attempt_command(self, permit_id: str, **options: Unpack[AttemptOptions]) -> tuple[Any, ...]:
+        """The command :meth:`attempt` sends (EVALSHA of acquire.lua), for a caller that sends
+        it its own way, such as an event loop that does not wait for the reply; decode the
+        reply with :meth:`attempt_reply`, reload the script on ``NOSCRIPT`` with
+        :meth:`load_scripts`. Not for ``min_replicas`` (whose ``WAIT`` goes with it)."""
+        arg = self._acquire_arg(validate_permit_id(permit_id), options)
+        return ("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, arg)
+
+    def attempt_reply(self, permit_id: str, reply: Any) -> Permit | Waiting:
+        """Decode the reply to :meth:`attempt_command`'s command for ``permit_id``."""
+        return self._result(permit_id, reply)
+
+    def load_scripts(self) -> None:
+        """Load acquire.lua into the server's script cache (after a ``NOSCRIPT`` reply)."""
+        try:
+            self.client.script_load(ACQUIRE.source)
+        except REDIS_ERRORS as exc:
+            raise script_failed(ACQUIRE, self.name, exc) from exc
 
     def _retry(self, script: LuaScript, exc: BaseException, *args: Any) -> Any:
         """After ``script`` failed with ``exc``: run it again once the server lost it

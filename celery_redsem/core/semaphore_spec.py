@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs i
 
 __all__ = [
     "COMMON_DEFAULTS",
+    "AttemptOptions",
     "CommonOptions",
     "SemaphoreSpec",
     "back_in_seconds",
@@ -50,6 +51,15 @@ class CommonOptions(TypedDict, total=False):
     idle_ttl: float
     prefix: str
     clock: Callable[[], float]
+
+
+class AttemptOptions(TypedDict, total=False):
+    """The keyword options of an attempt, sync or asyncio (see
+    :meth:`celery_redsem.FairSemaphore.attempt`; a test keeps the lists equal)."""
+
+    join_line: bool
+    waiter_lease: float | None
+    back_in: float
 
 
 #: The options' defaults, the same for the sync and the asyncio semaphore.
@@ -154,10 +164,11 @@ class SemaphoreSpec:
             f"{self._mark}|"
         )
 
-    def _acquire_arg(
-        self, pid: str, join_line: bool, waiter_lease: float | None, back_in: float
-    ) -> str:
+    def _acquire_arg(self, pid: str, options: AttemptOptions) -> str:
         """acquire.lua's ARGV[1] for one attempt of ``pid`` (see ``attempt``)."""
+        join_line = options.get("join_line", False)
+        waiter_lease = options.get("waiter_lease")
+        back_in = options.get("back_in", 0.0)
         if waiter_lease is None and not back_in:
             return (self._settings_join if join_line else self._settings_try) + pid
         lease = self.waiter_lease if waiter_lease is None else waiter_lease

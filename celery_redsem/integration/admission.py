@@ -2,41 +2,37 @@
 
 The prefork pool's main process hands a task to a child only when one of its slots is free
 (Celery's slot semaphore). Just then, for a task with one guard, :class:`Admission` asks for
-the permit (one round trip, joining the FIFO line under the task run's permit id: its task
-id, marked for a run its own retry queued; see
-:func:`~celery_redsem.core.permit_ids.run_permit_id`):
+the permit (joining the FIFO line under the task run's permit id: its task id, marked for a
+run its own retry queued; see :func:`~celery_redsem.core.permit_ids.run_permit_id`). The ask
+goes out without the event loop waiting for it (:mod:`~celery_redsem.integration.asking`):
+the loop goes on fetching, dispatching and reading results, the task keeps its slot, and when
+the answer comes:
 
 * **Granted**: the task goes to the child with the permit
   (:mod:`~celery_redsem.integration.handoff`), so the child does not ask again.
-* **Not granted**: the task is *parked* in the main process and its slot goes to the next task,
-  so a contended task costs no slot time and no trip through the broker. Its place in line does
-  not hold a free permit while it is parked (``back_in``), so nobody waits for it. It asks again
-  when its turn is expected (:mod:`~celery_redsem.integration.parking`: its position times the
-  hold time learnt from tasks that finished on this worker, over the limit), or at once when a
-  task of the same semaphore finishes here (a release-driven wake-up of the first one parked),
-  and then goes to the front of the slot queue.
+* **Next in line**, with a spare slot: the task goes to its child as the semaphore's
+  *standby*, to wait there for the release (:mod:`~celery_redsem.integration.standby`).
+* **Not granted**: the task is *parked* in the main process, unacknowledged, and its slot goes
+  to the next task: a contended task costs no slot time and no trip through the broker
+  (:mod:`~celery_redsem.integration.parking`). Its place in line holds no free permit while
+  it is parked (``back_in``). It asks again when its turn is expected, or at once when a run
+  of the same semaphore ends here, first in the slot queue.
 
 A deep line costs a task O(1) round trips: one when it reaches the worker (which also tells
 Redis when the task will be back, guessed from the tasks parked here ahead of it), then one
-when it is woken or its turn is expected. A parked task widens the prefetch window by one, as
-an ETA task does, so the worker keeps fetching: a burst on one hot key is reserved by the
-worker, unacknowledged, instead of cycling through the broker, and tasks for other keys queued
-behind it reach a free slot at once. At most
-:data:`~celery_redsem.integration.parking.MAX_PARKED_TASKS` are parked per worker; past that a
-task goes to its child, which decides as without admission (most often: a retry through the
-broker with a countdown). If the worker stops or loses its broker connection, the broker
-delivers the parked messages again (a parked task from a lost connection is dropped, never run
-twice). One delivery is parked only until
-:data:`~celery_redsem.integration.parking.MAX_PARKED` seconds, and at most half the broker's
-``visibility_timeout``, have passed since it reached the worker (time spent waiting for a slot
-counts: the broker's clock runs from delivery): then it goes to a child, which retries it
-through the broker (acknowledging this message) before the broker would deliver it a second
-time. Its total wait counts toward ``redsem_max_wait``; once that is spent it goes to a child,
-which fails it with :class:`~celery_redsem.AcquireTimeout`.
+when it is woken or its turn is expected. A burst on one hot key is reserved by the worker
+instead of cycling through the broker, and tasks for other keys queued behind it reach a free
+slot at once. Past the parking's bounds (:data:`~celery_redsem.integration.parking.MAX_PARKED`
+seconds from delivery, half the broker's ``visibility_timeout``,
+:data:`~celery_redsem.integration.parking.MAX_PARKED_TASKS` tasks) or ``redsem_max_wait``, a
+task goes to its child, which retries it through the broker or fails it with
+:class:`~celery_redsem.AcquireTimeout`. If the worker stops or loses its broker connection,
+the broker delivers the parked messages again (a parked task from a lost connection is
+dropped here, never run twice).
 
-The key function runs here, in the event loop, before every dispatch of a guarded task: a
-task whose key function once takes longer than :data:`SLOW_KEY_FUNCTION` is left to the pool
-children from then on, with a warning.
+The key function runs here, in the event loop, before every dispatch of a guarded task; one
+too slow for that is left to the pool children from then on
+(:class:`~celery_redsem.integration.naming.SlowKeyFunctions`).
 
 Anything unusual hands the task to the child unchanged, which then waits or retries as
 :mod:`celery_redsem.integration.retrying` describes: pools without a slot semaphore (solo,
@@ -51,46 +47,57 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from contextlib import suppress
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from celery import Celery, bootsteps
-from celery.app.task import Context
 from celery.worker import state as worker_state
 
 from celery_redsem.core.errors import BackendError
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.core.permits import Permit
+from celery_redsem.core.permits import Permit, Waiting
+from celery_redsem.core.semaphore import FairSemaphore
+from celery_redsem.integration.asking import Answer, Asks, WaitingAsks, asks_for
 from celery_redsem.integration.backoff import hold_times
-from celery_redsem.integration.config import RedsemConfig, get_config
+from celery_redsem.integration.config import RedsemConfig, get_client, get_config
+from celery_redsem.integration.dedupe import DUPLICATE_FIELD
 from celery_redsem.integration.handoff import clear_grant, hand_over
-from celery_redsem.integration.metrics import record_admission_grant, record_park, record_unpark
-from celery_redsem.integration.naming import call_arguments
+from celery_redsem.integration.live_runs import LiveRuns
+from celery_redsem.integration.metrics import record_admission_grant, record_unpark
+from celery_redsem.integration.naming import SlowKeyFunctions, call_arguments
 from celery_redsem.integration.parking import (
     MAX_PARK,
-    MAX_PARKED,
     MAX_PARKED_TASKS,
     MIN_PARK,
     Parked,
-    ParkedTasks,
+    ParkingLot,
+    first_ask,
+    longest_park,
     park_time,
+    received_at,
+    slot_semaphore,
 )
 from celery_redsem.integration.rate_guard import RateGuard, rate_guards_of
+from celery_redsem.integration.standby import (
+    GrantNotices,
+    Standbys,
+    clear_standby,
+    mark_standby,
+)
 from celery_redsem.integration.task_guard import TaskGuard, guards_of
 from celery_redsem.integration.waiting import (
-    WaitState,
-    attempt,
     present_waiter_lease,
-    read_wait,
+    read_wait_of,
+    release_quietly,
     server_ms,
-    stamp_wait,
+    stamp_wait_began,
 )
 
 __all__ = [
     "MAX_PAUSE_AFTER_ERROR",
     "PAUSE_AFTER_ERROR",
-    "SLOW_KEY_FUNCTION",
     "Admission",
     "install_admission",
 ]
@@ -101,12 +108,28 @@ _BLUEPRINT_RUNNING: int = bootsteps.RUN  # type: ignore[attr-defined]  # (not in
 
 #: Seconds admission hands every task straight to the pool after a Redis error, doubling
 #: with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`: a Redis that hangs (rather
-#: than refuses) blocks the event loop for a socket timeout at each try.
+#: than refuses) costs each ask a socket timeout.
 PAUSE_AFTER_ERROR = 5.0
 MAX_PAUSE_AFTER_ERROR = 60.0
-#: A key function that takes longer than this (seconds) in the worker's main process, where
-#: it holds up every other task's dispatch, is left to the pool children from then on.
-SLOW_KEY_FUNCTION = 0.05
+
+
+@dataclass
+class _Asking:
+    """A guarded request whose permit admission is asking for, until it is dispatched or parked."""
+
+    req: Any
+    guard: TaskGuard
+    earlier: Parked | None  # how it was parked before, if it was
+    sem: FairSemaphore
+    run: str  # its permit id
+    config: RedsemConfig
+    hold: float | None  # the hold time learnt for its task
+    longest: float  # how long its delivery may stay parked
+    connection: Any  # the consumer's broker connection when it was asked for
+    lease: float = 0.0  # the waiter lease and back_in of the latest ask
+    back_in: float = 0.0
+    asked: float = 0.0  # monotonic time of the latest ask
+    settled: bool = False
 
 
 class Admission:
@@ -115,16 +138,20 @@ class Admission:
     def __init__(self, controller: Any, app: Celery) -> None:
         self.controller = controller
         self.app = app
-        #: Parked requests, by request and by semaphore name.
-        self.parked = ParkedTasks()
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
-        #: Requests handed to the pool with a grant, by permit id, until each run ends.
-        self._handed: dict[str, list[Any]] = {}
+        self.lot = ParkingLot(controller, self._stopping, self.process_task)
+        #: Parked requests, by request and by semaphore name.
+        self.parked = self.lot.tasks
+        #: Runs being asked for or handed to the pool with a grant.
+        self.runs = LiveRuns(on_end=self._wake_one)
+        self.standbys = Standbys()
+        self.notices = GrantNotices()
+        self._asks: Asks | None = None
         self._usable: bool | None = None
         self._paused_until = 0.0
         self._errors_in_row = 0  # Redis errors since admission last got an answer
-        #: Tasks whose key function was too slow to run here (:data:`SLOW_KEY_FUNCTION`).
-        self._slow_keys: set[str] = set()
+        #: Tasks whose key function was too slow to run here.
+        self.slow_keys = SlowKeyFunctions()
 
     # -- the hook -------------------------------------------------------------------------
 
@@ -133,37 +160,29 @@ class Admission:
         earlier = self.parked.remove(req)
         record_unpark(earlier)
         clear_grant(req.request_dict)
+        clear_standby(req.request_dict)
         if self._stopping():  # a grant now might never run here: the child asks, if it runs
             return self._dispatch(req)
         guard = self._guard_to_admit(req)
         if guard is None:
             return self._dispatch(req)
         try:
-            granted = None
             if isinstance(guard, RateGuard):
                 self._ask_rate(req, guard, earlier)
-            else:
-                granted = self._ask(req, guard, earlier)
+            elif self._ask(req, guard, earlier):
+                return None  # answered later (or already): dispatched or parked then
         except BackendError as exc:
-            pause = min(MAX_PAUSE_AFTER_ERROR, PAUSE_AFTER_ERROR * 2.0**self._errors_in_row)
-            self._errors_in_row += 1
-            self._paused_until = time.monotonic() + pause
-            logger.warning(
-                "celery_redsem: admission paused for %.0fs after a Redis error: %s", pause, exc
-            )
-            granted = None
+            self._pause(exc)
         except Exception:  # never lose a task to a bug here: the child decides
             logger.exception("celery_redsem: admission failed for %s[%s]", req.name, req.id)
-            granted = None
         if req in self.parked:
             return None
-        if granted is not None:
-            permit, granted_at = granted
-            record_admission_grant(req, permit, earlier.first_ms if earlier else -1)
-            hand_over(req.request_dict, permit, granted_at)
-            self._handed.setdefault(permit_id_of(req), []).append(req)
-            self._watch(req, permit.name)
         return self._dispatch(req)
+
+    def stop(self) -> None:
+        """Give up admission's connection (asks in flight fail: their tasks go to the pool)."""
+        if self._asks is not None:
+            self._asks.close()
 
     def _stopping(self) -> bool:
         """Whether the worker is shutting down (its pool may run nothing more)."""
@@ -177,29 +196,40 @@ class Admission:
     def _guard_to_admit(self, req: Any) -> TaskGuard | RateGuard | None:
         """The one guard of ``req``'s task if admission decides for it, else None."""
         if self._usable is None:
-            self._usable = _slot_semaphore(self.controller) is not None
+            self._usable = slot_semaphore(self.controller) is not None
             if not self._usable:
                 logger.debug("celery_redsem: this pool has no slot semaphore: no admission")
         if not self._usable or time.monotonic() < self._paused_until:
             return None
         task = getattr(req, "task", None)
-        if task is None or task.name in self._slow_keys:
+        if task is None or task.name in self.slow_keys:
             return None
         guards: list[TaskGuard | RateGuard] = [*guards_of(task), *rate_guards_of(task)]
         if len(guards) != 1 or req.revoked():
             return None
         if getattr(guards[0], "on_busy", "wait") != "wait":
             return None  # one try, never parked: its child asks, then runs, skips or fails
+        if req.request_dict.get(DUPLICATE_FIELD):
+            return None  # ends at once in its child as a duplicate of the run with the mark
         return guards[0]
+
+    def _pause(self, exc: BackendError) -> None:
+        """Hand every task straight to the pool for a while after a Redis error."""
+        pause = min(MAX_PAUSE_AFTER_ERROR, PAUSE_AFTER_ERROR * 2.0**self._errors_in_row)
+        self._errors_in_row += 1
+        self._paused_until = time.monotonic() + pause
+        logger.warning(
+            "celery_redsem: admission paused for %.0fs after a Redis error: %s", pause, exc
+        )
 
     # -- asking ---------------------------------------------------------------------------
 
-    def _ask(
-        self, req: Any, guard: TaskGuard, earlier: Parked | None
-    ) -> tuple[Permit, float] | None:
-        """Ask for ``req``'s permit: the permit and the monotonic time it was asked for if
-        granted; None if not (then ``req`` is parked, its slot given back) or if the child
-        should decide."""
+    def _ask(self, req: Any, guard: TaskGuard, earlier: Parked | None) -> bool:
+        """Ask for ``req``'s permit; False if its child should decide instead (dispatch it).
+
+        When the answer comes, ``req`` is dispatched with the permit, parked (its slot given
+        back), or dispatched without one for its child to decide (:meth:`_answered`).
+        """
         task = req.task
         config = get_config(self.app)
         started = time.monotonic()
@@ -208,115 +238,219 @@ class Admission:
                 task.name, call_arguments(task, req.args), req.kwargs or {}
             )
         except Exception:  # the child reports a bad key (or limit) function, visibly
-            return None
+            return False
         finally:
-            self._time_key_function(task.name, time.monotonic() - started)
+            self.slow_keys.timed(task.name, time.monotonic() - started)
         sem = guard.semaphore(self.app, name, config, limit)
         if sem.min_replicas:
-            return None
+            return False
         run = permit_id_of(req)
-        if self._runs_here(req, run):
+        if self.runs.runs_here(req, run):
             self._park_copy(req, name, earlier)
-            return None
+            return True
         hold = hold_times.estimate(task.name)
-        tries = earlier.tries + 1 if earlier is not None else 0
-        longest = self._longest_park()
+        longest = longest_park(self.app.conf)
+        connection = getattr(self.controller.consumer, "connection", None)
+        asking = _Asking(req, guard, earlier, sem, run, config, hold, longest, connection)
         behind = None if earlier is not None else self.parked.deepest_position(name)
-        lease, back_in = self._first_lease(config, sem.limit, behind, hold, longest)
-        asked = time.monotonic()
-        result = attempt(sem, run, waiter_lease=lease, back_in=back_in)
-        self._errors_in_row = 0
+        lease, back_in = first_ask(
+            present_waiter_lease(config),
+            config.waiter_margin,
+            limit=sem.limit,
+            behind=behind,
+            hold=hold,
+            longest=longest,
+        )
+        self._send(asking, lease, back_in, self._answered)
+        return True
+
+    def _send(
+        self,
+        asking: _Asking,
+        lease: float,
+        back_in: float,
+        then: Callable[[_Asking, Permit | Waiting], None],
+    ) -> None:
+        """Send one ask for ``asking``; ``then`` gets its answer (unless that is an error)."""
+        asking.lease, asking.back_in, asking.asked = lease, back_in, time.monotonic()
+        self.runs.asking(asking.run, asking.req)
+        done = partial(self._on_answer, asking, then)
+        self._asks_for().ask(asking.sem, asking.run, waiter_lease=lease, back_in=back_in, done=done)
+
+    def _asks_for(self) -> Asks:
+        if self._asks is None:
+            try:
+                client = get_client(self.app)
+            except Exception:  # (get_config worked: a client error is the child's to report)
+                return WaitingAsks()
+            self._asks = asks_for(getattr(self.controller, "hub", None), client)
+        return self._asks
+
+    def _on_answer(
+        self, asking: _Asking, then: Callable[[_Asking, Permit | Waiting], None], answer: Answer
+    ) -> None:
+        """An answer came for ``asking``: act on it, unless the worker moved on meanwhile."""
+        self.runs.answered(asking.run, asking.req)
+        try:
+            if self._gone(asking, answer):
+                return
+            if isinstance(answer, BackendError):
+                self._pause(answer)
+                self._settle(asking, None)
+                return
+            self._errors_in_row = 0
+            then(asking, answer)
+        except Exception:  # never lose a task to a bug here: the child decides
+            logger.exception("celery_redsem: admission failed for %s", asking.req)
+            if not asking.settled:
+                self._settle(asking, None)
+
+    def _gone(self, asking: _Asking, answer: Answer) -> bool:
+        """Whether the worker moved on while ``asking``'s ask was in flight: it is shutting
+        down (the task goes to its child, which asks, if it runs), or the broker connection
+        the task came on was lost (its message will be delivered again: dropped here, its slot
+        with it, as the consumer reset its slots)."""
+        consumer = self.controller.consumer
+        stopping = self._stopping()
+        if not stopping and getattr(consumer, "connection", None) is asking.connection:
+            return False
+        if isinstance(answer, Permit):
+            release_quietly(asking.sem, answer)
+        asking.settled = True
+        if stopping:
+            self._dispatch(asking.req)
+        return True
+
+    def _answered(self, asking: _Asking, result: Permit | Waiting) -> None:
+        """The first answer: dispatch with the permit, or park (telling Redis when the task
+        will ask again), or leave the task to its child."""
         if isinstance(result, Permit):
-            return result, asked
-        now_ms = server_ms(result, lease)
+            self._settle(asking, result)
+            return
+        req, earlier = asking.req, asking.earlier
+        now_ms = server_ms(result, asking.lease)
         if earlier is not None and earlier.first_ms >= 0:
             first_ms = earlier.first_ms
         else:
-            first_ms = min(_read_wait(req).first_ms or now_ms, now_ms)  # never in the future
+            first_ms = min(
+                read_wait_of(req.request_dict).first_ms or now_ms, now_ms
+            )  # never in the future
+        tries = earlier.tries + 1 if earlier is not None else 0
         park = park_time(
-            position=result.position, limit=sem.limit, hold=hold, tries=tries, longest=longest
+            position=result.position,
+            limit=asking.sem.limit,
+            hold=asking.hold,
+            tries=tries,
+            longest=asking.longest,
         )
         waited = (now_ms - first_ms) / 1000
-        max_wait = guard.max_wait_for(config)
+        max_wait = asking.guard.max_wait_for(asking.config)
         if max_wait is not None:
             if waited >= max_wait:  # the child fails it with AcquireTimeout
-                _stamp_wait(req, first_ms)
-                return None
+                stamp_wait_began(req.request_dict, first_ms)
+                self._settle(asking, None)
+                return
             park = min(park, max(MIN_PARK, max_wait - waited))
-        received_at = _received_at(req, earlier, asked)
-        held_for = asked - received_at  # the broker's visibility clock runs from delivery
-        if held_for >= longest or len(self.parked) >= MAX_PARKED_TASKS:
+        delivered = received_at(req, earlier, asking.asked)
+        held_for = asking.asked - delivered  # the broker's visibility clock runs from delivery
+        if held_for >= asking.longest or len(self.parked) >= MAX_PARKED_TASKS:
             # The child decides, most often a retry: a new message (with a countdown, held as
             # an ETA task is), this one acknowledged.
-            _stamp_wait(req, first_ms)
-            return None
-        park = min(park, max(MIN_PARK, longest - held_for))
-        if back_in and park <= back_in:
+            stamp_wait_began(req.request_dict, first_ms)
+            self._settle(asking, None)
+            return
+        if self._stand_by(asking, result.position):
+            stamp_wait_began(req.request_dict, first_ms)
+            return
+        park = min(park, max(MIN_PARK, asking.longest - held_for))
+        parked = Parked(req, asking.sem.name, result.position, first_ms, tries, None, delivered)
+        if asking.back_in and park <= asking.back_in:
             # Back before its place expects it: its place is kept (it ends a margin after
             # back_in), and asking early only competes for a free permit.
-            position = result.position
-        else:
-            asked = time.monotonic()
-            again = attempt(sem, run, waiter_lease=park + config.waiter_margin, back_in=park)
-            if isinstance(again, Permit):
-                return again, asked
-            position = again.position
-        self._park(Parked(req, name, position, first_ms, tries, None, received_at), park)
-        return None
+            self._park(asking, parked, park)
+            return
+        lease = park + asking.config.waiter_margin
+        self._send(asking, lease, park, partial(self._answered_again, parked=parked, park=park))
+
+    def _answered_again(
+        self, asking: _Asking, result: Permit | Waiting, *, parked: Parked, park: float
+    ) -> None:
+        """The answer to the ask that told Redis when the task will be back: park it."""
+        if isinstance(result, Permit):
+            self._settle(asking, result)
+            return
+        parked.position = result.position
+        self._park(asking, parked, park)
+
+    def _settle(self, asking: _Asking, permit: Permit | None) -> None:
+        """Dispatch ``asking``'s request to the pool, with ``permit`` if it got one."""
+        asking.settled = True
+        req = asking.req
+        if permit is not None:
+            earlier = asking.earlier
+            record_admission_grant(req, permit, earlier.first_ms if earlier else -1)
+            hand_over(req.request_dict, permit, asking.asked)
+            self.runs.handed(req, permit.name)
+        self._dispatch(req)
+        if permit is not None:
+            self._recruit(permit.name)
+
+    def _stand_by(self, asking: _Asking, position: int) -> bool:
+        """Dispatch ``asking``'s request without a permit, as the standby of its semaphore, if
+        it should be one (:mod:`~celery_redsem.integration.standby`)."""
+        name, semaphore = asking.sem.name, slot_semaphore(self.controller)
+        if not self.standbys.wanted(
+            name,
+            position=position,
+            limit=asking.sem.limit,
+            hold=asking.hold,
+            head_wait=asking.config.head_wait,
+            free_slots=semaphore.value if semaphore is not None else 0,
+        ):
+            return False
+        req = asking.req
+        self.standbys.add(name, req)
+        asking.settled = True
+        mark_standby(req.request_dict)
+        hub = getattr(self.controller, "hub", None)
+        if hub is not None and not req.task.acks_late and hasattr(req, "redsem_hold_ack"):
+            req.redsem_hold_ack()  # acknowledged when its child gets the permit
+            self.notices.expect(hub, req)
+        self.runs.handed(req, name, learn=False, then=partial(self._standby_ended, req))
+        self._dispatch(req)
+        return True
+
+    def _standby_ended(self, req: Any) -> None:
+        """A standby's run ended: acknowledge it if its child never told of a grant."""
+        self.notices.done(req)
+        if hasattr(req, "redsem_ack"):
+            req.redsem_ack()
+
+    def _recruit(self, name: str) -> None:
+        """A permit of ``name`` was just handed over here: if no standby waits for the next
+        one, the first task parked on it asks now (and may become the standby)."""
+        semaphore = slot_semaphore(self.controller)
+        if name in self.standbys or semaphore is None or semaphore.value < 2:
+            return
+        first = self.parked.first_in_line(name)
+        if first is not None:
+            self.lot.wake(first)
+
+    def _park(self, asking: _Asking, parked: Parked, seconds: float) -> None:
+        asking.settled = True
+        self.lot.park(parked, seconds)
 
     def _ask_rate(self, req: Any, guard: RateGuard, earlier: Parked | None) -> None:
         """A task whose only guard is a rate limit: dispatched once its limiter admits it,
         else parked until exactly the slot booked for it (no pool slot, no broker trip)."""
-        received_at = _received_at(req, earlier, time.monotonic())
-        horizon = self._longest_park() - (time.monotonic() - received_at)
+        delivered = received_at(req, earlier, time.monotonic())
+        horizon = longest_park(self.app.conf) - (time.monotonic() - delivered)
         wait = guard.wait_at_dispatch(self.app, req.task, req, horizon)
         self._errors_in_row = 0
         if wait:  # 0.0: admitted; None: its child decides
             tries = earlier.tries + 1 if earlier is not None else 0
             # Under a name no semaphore can have (names have no braces): no release wakes it.
-            self._park(Parked(req, "{rate}", 0, 0, tries, None, received_at), wait)
-
-    @staticmethod
-    def _first_lease(
-        config: RedsemConfig, limit: int, behind: int | None, hold: float | None, longest: float
-    ) -> tuple[float, float]:
-        """The waiter lease and ``back_in`` of a task's first try: present, or, arriving behind
-        tasks parked here on its semaphore (the last at place ``behind``), away for about as
-        long as the one place after theirs waits: one call both asks and tells Redis when it
-        will be back (until then its place holds no free permit for it)."""
-        if behind is None:
-            return present_waiter_lease(config), 0.0
-        back_in = park_time(position=behind + 1, limit=limit, hold=hold, tries=0, longest=longest)
-        return back_in + config.waiter_margin, back_in
-
-    def _time_key_function(self, task_name: str, took: float) -> None:
-        """Leave ``task_name`` to the pool children if its key function took ``took`` seconds
-        (over :data:`SLOW_KEY_FUNCTION`): here it holds up every other task's dispatch."""
-        if took > SLOW_KEY_FUNCTION and task_name not in self._slow_keys:
-            self._slow_keys.add(task_name)
-            logger.warning(
-                "celery_redsem: the key function of %s took %.3fs in the worker's main process, "
-                "where it holds up the dispatch of every task; from now on %s asks for its "
-                "permit in its pool child. Make the key a quick function of the arguments "
-                "(no database or network calls) to keep admission at dispatch.",
-                task_name,
-                took,
-                task_name,
-            )
-
-    def _runs_here(self, req: Any, run: str) -> bool:
-        """Whether another delivery of ``req``'s run (same task id and permit id) runs on this
-        worker now (the broker delivered it again, say after a lost connection, while the
-        first delivery goes on). ``run``: its permit id."""
-        live = worker_state.reserved_requests | worker_state.active_requests  # not ended yet
-        handed = [r for r in self._handed.get(run, ()) if r is not req and r in live]
-        if handed:
-            return True
-        self._handed.pop(run, None)  # ended without telling us (never ran), if any are left
-        return any(
-            r.id == req.id and r is not req and permit_id_of(r) == run
-            for r in list(worker_state.active_requests)
-        )
+            self.lot.park(Parked(req, "{rate}", 0, 0, tries, None, delivered), wait)
 
     def _park_copy(self, req: Any, name: str, earlier: Parked | None) -> None:
         """Park a second delivery of a running task run until that run ends.
@@ -329,146 +463,23 @@ class Admission:
         """
         tries = earlier.tries if earlier is not None else 0  # not a try for a permit
         first_ms = earlier.first_ms if earlier is not None else -1  # not waiting for a permit
-        received_at = _received_at(req, earlier, time.monotonic())
-        self._park(Parked(req, name, 0, first_ms, tries, None, received_at), MAX_PARK)
-
-    def _longest_park(self) -> float:
-        """How long one delivery may stay parked (unacknowledged): :data:`MAX_PARKED`, and at
-        most half the broker's ``visibility_timeout`` (Redis, SQS), after which the broker
-        would deliver the message again and a second copy of the task would run."""
-        options = self.app.conf.broker_transport_options or {}
-        visibility = options.get("visibility_timeout")
-        if isinstance(visibility, bool) or not isinstance(visibility, int | float):
-            return MAX_PARKED
-        return min(MAX_PARKED, visibility / 2) if visibility > 0 else MAX_PARKED
+        delivered = received_at(req, earlier, time.monotonic())
+        self.lot.park(Parked(req, name, 0, first_ms, tries, None, delivered), MAX_PARK)
 
     # -- finished tasks wake parked ones -------------------------------------------------
-
-    def _watch(self, req: Any, name: str) -> None:
-        """When ``req`` (granted here) ends, learn its hold and wake a task parked on ``name``.
-
-        The pool calls the request's ``on_success`` or ``on_failure`` bound when it is handed
-        over, so wrapping them on the instance sees every end.
-        """
-        started = time.monotonic()
-        task_name = req.task.name
-        run = permit_id_of(req)
-        done = False
-
-        def finished() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                handed = self._handed.get(run, [])
-                if req in handed:
-                    handed.remove(req)
-                if not handed:
-                    self._handed.pop(run, None)
-                hold_times.observe(task_name, time.monotonic() - started)
-                self._wake_one(name, run)
-
-        def wrap(callback: Any) -> Any:
-            def wrapped(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return callback(*args, **kwargs)
-                finally:
-                    finished()
-
-            return wrapped
-
-        req.on_success = wrap(req.on_success)
-        req.on_failure = wrap(req.on_failure)
 
     def _wake_one(self, name: str, ended_id: str) -> None:
         """A run of task ``ended_id`` gave back a permit of ``name`` here: the first task
         parked on it asks again, and so do copies of ``ended_id`` that waited for that run."""
-        # Not one already resumed (waiting for a slot): it asks again anyway.
-        waiting = [p for p in self.parked.on(name) if p.timer is not None]
-        in_line = [p for p in waiting if p.first_ms >= 0]  # (copies of a running id are not)
-        woken = [p for p in waiting if p.first_ms < 0 and permit_id_of(p.req) == ended_id]
-        if in_line:
-            woken.append(min(in_line, key=lambda p: p.position))
-        for parked in woken:
-            with suppress(Exception):
-                self.controller.timer.cancel(parked.timer)
-            self._resume(parked.req)
-
-    # -- parking --------------------------------------------------------------------------
-
-    def _park(self, parked: Parked, seconds: float) -> None:
-        controller = self.controller
-        consumer = controller.consumer
-        parked.connection = getattr(consumer, "connection", None)
-        parked.qos = consumer.qos
-        parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
-        self.parked.add(parked)
-        record_park(parked.req)
-        parked.timer = controller.timer.call_after(seconds, self._resume, (parked.req,), priority=6)
-        semaphore = _slot_semaphore(controller)
-        assert semaphore is not None
-        hub = getattr(controller, "hub", None)
-        if hub is not None:  # not now: release() may hand the slot to the next task at once
-            hub.call_soon(semaphore.release)
-        else:
-            semaphore.release()
-
-    def _resume(self, req: Any) -> None:
-        """``req`` asks again, first in the slot queue."""
-        parked = self.parked.get(req)
-        if parked is None or parked.timer is None:
-            return
-        parked.timer = None  # resumed once: a later timer or wake-up does nothing
-        consumer = self.controller.consumer
-        # Give back the prefetch it took from the window it was counted in, if it took one
-        # (after a reconnection the consumer has a new window, which never counted it).
-        if parked.qos is not None:
-            parked.qos.decrement_eventually()
-        if self._stopping() or getattr(consumer, "connection", None) is not parked.connection:
-            record_unpark(parked)
-            self.parked.remove(req)  # its message will be delivered again
-            return
-        semaphore = _slot_semaphore(self.controller)
-        assert semaphore is not None
-        if semaphore.value > 0:
-            semaphore.acquire(self.controller._process_task, req)
-        else:
-            semaphore._waiting.appendleft((self.controller._process_task, (req,), {}))
-
-
-def _slot_semaphore(controller: Any) -> Any:
-    """The worker's slot semaphore (a kombu ``LaxBoundedSemaphore``) if its pool uses one."""
-    semaphore = getattr(controller, "semaphore", None)
-    uses_it = getattr(controller, "process_task", None) == getattr(
-        controller, "_process_task_sem", object()
-    )
-    if (
-        semaphore is None
-        or not uses_it
-        or not isinstance(getattr(semaphore, "_waiting", None), deque)
-        or getattr(controller, "timer", None) is None
-        or getattr(controller, "consumer", None) is None
-    ):
-        return None
-    return semaphore
-
-
-def _received_at(req: Any, earlier: Parked | None, now: float) -> float:
-    """When ``req``'s delivery reached the worker (monotonic): as parked before, else as its
-    :class:`~celery_redsem.integration.worker.ReleasingRequest` noted, else ``now``."""
-    if earlier is not None:
-        return earlier.received_at
-    received = getattr(req, "redsem_received_at", None)
-    return received if isinstance(received, float) else now
-
-
-def _read_wait(req: Any) -> WaitState:
-    return read_wait(Context(req.request_dict))
-
-
-def _stamp_wait(req: Any, first_ms: int) -> None:
-    """Tell the child when the wait began (it fails the task once ``max_wait`` is spent)."""
-    wait = _read_wait(req)
-    stamp_wait(req.request_dict, WaitState(wait.attempts, first_ms, wait.errors, 0, 0))
+        self.standbys.released(name)
+        copies = [
+            p
+            for p in self.parked.on(name)
+            if p.timer is not None and p.first_ms < 0 and permit_id_of(p.req) == ended_id
+        ]
+        first = self.parked.first_in_line(name)
+        for parked in [*copies, *([first] if first is not None else [])]:
+            self.lot.wake(parked)
 
 
 def install_admission(controller: Any, app: Celery) -> Admission | None:

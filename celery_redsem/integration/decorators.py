@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from celery import Task
 from celery._state import get_current_task
 from celery.local import Proxy
 
 from celery_redsem.core.errors import ConfigurationError
+from celery_redsem.integration.guarded import GUARD_ATTR
+from celery_redsem.integration.held import current_permit
 from celery_redsem.integration.naming import KeyFunction, LimitFunction
 from celery_redsem.integration.rate_guard import RateGuard
 from celery_redsem.integration.sending import watch_apps
-from celery_redsem.integration.task_guard import GUARD_ATTR, TaskGuard, current_permit
+from celery_redsem.integration.task_guard import GuardOptions, TaskGuard
 from celery_redsem.integration.worker import install_worker_hooks
+
+if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
+    from typing_extensions import Unpack
 
 __all__ = ["current_permit", "with_lock", "with_rate_limit", "with_semaphore"]
 
@@ -151,24 +156,11 @@ def _refuse_a_task(fn: object) -> None:
 
 
 def with_lock(
-    key: str | KeyFunction,
-    *,
-    lease: float | None = None,
-    max_wait: float | None = None,
-    lost_lease_policy: str | None = None,
-    on_busy: str = "wait",
-    dedupe: bool | str = False,
+    key: str | KeyFunction, **options: Unpack[GuardOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1``."""
-    return with_semaphore(
-        1,
-        key,
-        lease=lease,
-        max_wait=max_wait,
-        lost_lease_policy=lost_lease_policy,
-        on_busy=on_busy,
-        dedupe=dedupe,
-    )
+    """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1`` (and its
+    keyword options: ``lease``, ``max_wait``, ``lost_lease_policy``, ``on_busy``, ``dedupe``)."""
+    return with_semaphore(1, key, **options)
 
 
 def with_rate_limit(

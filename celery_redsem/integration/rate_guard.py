@@ -17,9 +17,14 @@
 * **Eager and direct calls** sleep until their slot, for at most ``redsem_eager_timeout``.
 
 In a prefork worker, admission (:mod:`~celery_redsem.integration.admission`) asks first, at
-dispatch, for a task whose only guard is a rate guard: admitted, it goes to its child (which asks
-again under its task id and is admitted without using a slot); refused, it is parked in the
-main process until exactly its booked slot, holding no pool slot and making no broker trip.
+dispatch, for a task whose only guard is a rate guard: it *reserves* the run's slot (the next
+free one, kept for its task id) and parks the task in the main process until :data:`LEAD`
+before that slot, holding no pool slot and making no broker trip; then the task goes to its
+child, which takes the slot (sleeping the last moment in its slot). The admission that the rate
+spaces is the child's, just before the body starts: the time a task spends between dispatch and
+its child (more under load, and for a child's first task) never lets two starts come closer
+than the rate allows. A run admitted at dispatch, by contrast, could start late and bunch up
+with the next one.
 Stacked with ``@with_semaphore`` the outer decorator asks first; under it (the
 semaphore outermost) a run counts toward the rate only once it holds its permit. A permit the
 main process granted for an inner semaphore is given back when the rate guard retries the run.
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from celery import Celery, Task
@@ -41,33 +46,36 @@ from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.rate_limit import RateLimiter, RateResult, parse_rate
 from celery_redsem.core.validation import count_rule, seconds_rule
 from celery_redsem.integration.config import RedsemConfig, get_client, get_config
+from celery_redsem.integration.guarded import guards_on
 from celery_redsem.integration.handoff import GRANT_FIELD, take_over
 from celery_redsem.integration.naming import KeyFunction, KeyNaming, call_arguments
 from celery_redsem.integration.retrying import WorkerAsk
-from celery_redsem.integration.task_guard import GUARD_ATTR, guards_of
+from celery_redsem.integration.task_guard import guards_of
 from celery_redsem.integration.waiting import read_wait, release_quietly
 
-__all__ = ["IN_SLOT", "RateGuard", "rate_guards_of"]
+__all__ = ["IN_SLOT", "LEAD", "RateGuard", "iter_rate_limited_tasks", "rate_guards_of"]
 
 #: Seconds a refused run waits for its slot in the worker slot rather than through the broker.
 IN_SLOT = 0.05
+#: Seconds before its reserved slot a run parked by admission goes to its child (at most half
+#: of :data:`IN_SLOT` and of ``redsem_head_wait``): time for the hand-over to the child, so the
+#: child is there to take the slot on time, sleeping the rest in its slot. A child later than
+#: this delays the key's later slots by its lateness (the rate is never exceeded to catch up).
+LEAD = 0.02
 _BURST = count_rule()
 _MAX_WAIT = seconds_rule(inf_ok=True)
 
 
+def iter_rate_limited_tasks(app: Celery) -> Iterator[Task[Any, Any]]:
+    """Every registered task of ``app`` that carries a ``@with_rate_limit`` guard."""
+    for task in list(app.tasks.values()):
+        if rate_guards_of(task):
+            yield task
+
+
 def rate_guards_of(task: object) -> list[RateGuard]:
     """The rate guards on a task's ``run`` (outermost first), or an empty list."""
-    run: Any = getattr(task, "run", None)
-    fn: Any = getattr(run, "__func__", run)
-    found: list[RateGuard] = []
-    for _ in range(16):
-        if fn is None:
-            break
-        guard = getattr(fn, "__dict__", {}).get(GUARD_ATTR)
-        if isinstance(guard, RateGuard) and guard not in found:
-            found.append(guard)
-        fn = getattr(fn, "__wrapped__", None)
-    return found
+    return guards_on(task, RateGuard)
 
 
 class RateGuard:
@@ -134,10 +142,11 @@ class RateGuard:
     def wait_at_dispatch(
         self, app: Celery, task: Task[Any, Any], request: Any, horizon: float
     ) -> float | None:
-        """For admission in a worker's main process: 0.0 if the limiter admits the run
-        ``request`` now, the seconds until the slot booked for it (then it is parked), or None
-        if its child should decide (no slot within ``horizon`` or ``max_wait``). The child asks
-        again under the same task id and is admitted without using another slot."""
+        """For admission in a worker's main process: reserve the run ``request``'s slot and
+        tell how long to park it: 0.0 to hand it to its child now (its slot is due within
+        :data:`LEAD`, or it was admitted before), the seconds until :data:`LEAD` before its slot,
+        or None if its child should decide (no slot within ``horizon`` or ``max_wait``). The
+        child then takes the slot under the same task id."""
         config = get_config(app)
         name = self.naming.name_for(
             task.name, call_arguments(task, request.args), request.kwargs or {}
@@ -147,11 +156,14 @@ class RateGuard:
         if ahead <= 0:
             return None
         result = self.limiter(app, name, config).attempt(
-            permit_id_of(request), book=True, max_wait=ahead
+            permit_id_of(request), reserve=True, max_wait=ahead
         )
         if result.admitted:
             return 0.0
-        return result.retry_after if result.booked else None
+        if not result.booked:
+            return None
+        lead = min(LEAD, IN_SLOT / 2, config.head_wait / 2)
+        return max(0.0, result.retry_after - lead)
 
     def max_wait_for(self, config: RedsemConfig) -> float | None:
         """This guard's wait budget in seconds under ``config`` (None: no cap)."""
@@ -190,7 +202,9 @@ class RateGuard:
                 permit_id=permit_id,
             )
         _give_back_grant(task, request, call, config)
-        wait = read_wait(request)._replace(due_ms=0, offline_ms=0)  # not back from a line
+        # A contention retry like a semaphore's: counted in the header (not back from a line).
+        earlier = read_wait(request)
+        wait = earlier._replace(attempts=earlier.attempts + 1, due_ms=0, offline_ms=0)
         raise ask.publish_retry(
             result.retry_after, wait, release=None, reason=_booked(limiter, self, result)
         )

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextvars import ContextVar, Token
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from celery import Celery, Task
 from celery import _state as celery_state
@@ -60,18 +58,22 @@ from celery_redsem.integration.dedupe import (
     end_duplicate,
     mark_of,
 )
+from celery_redsem.integration.guarded import guards_on
 from celery_redsem.integration.handoff import take_over
+from celery_redsem.integration.held import Entered, enter, held_by_caller, leave
 from celery_redsem.integration.metrics import record_run_grant, record_timeout
 from celery_redsem.integration.naming import KeyFunction, KeyNaming, LimitFunction, LimitRule
 from celery_redsem.integration.retrying import WorkerAsk
+from celery_redsem.integration.standby import take_standby, tell_granted
 from celery_redsem.integration.waiting import release_quietly
 
-__all__ = ["GUARD_ATTR", "TaskGuard", "current_permit", "guards_of", "iter_guarded_tasks"]
+if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
+    from typing_extensions import Unpack
+
+__all__ = ["GuardOptions", "TaskGuard", "guards_of", "iter_guarded_tasks"]
 
 logger = logging.getLogger(__name__)
 
-#: The attribute of a guarded function that holds its :class:`TaskGuard`.
-GUARD_ATTR = "__redsem_guard__"
 _MAX_WAIT = seconds_rule(inf_ok=True)
 
 
@@ -88,41 +90,21 @@ class _Call:
     config: RedsemConfig
 
 
-@dataclass(frozen=True)
-class _Entered:
-    """A permit a guarded call holds while its body runs, in the thread running it."""
-
-    held: HeldPermit
-    limit: int
-    thread_id: int
-
-
-#: Every permit held by the guarded calls running in this context, outermost first (the last
-#: is :func:`current_permit`).
-_entered: ContextVar[tuple[_Entered, ...]] = ContextVar("celery_redsem_entered", default=())
-
-
-def current_permit() -> HeldPermit | None:
-    """The permit of the innermost guarded task running in this context, or None.
-
-    Its ``token`` is the fencing token; ``check()`` raises :class:`~celery_redsem.PermitLost`
-    if the lease was lost.
-    """
-    entered = _entered.get()
-    return entered[-1].held if entered else None
-
-
 def guards_of(task: object) -> list[TaskGuard]:
-    """The guards on a task's ``run`` (outermost first), or an empty list."""
-    found: list[TaskGuard] = []
-    fn: object = getattr(task, "run", None)
-    fn = getattr(fn, "__func__", fn)
-    while fn is not None and len(found) < 16:
-        guard = getattr(fn, "__dict__", {}).get(GUARD_ATTR)
-        if isinstance(guard, TaskGuard) and guard not in found:
-            found.append(guard)
-        fn = getattr(fn, "__wrapped__", None)
-    return found
+    """The semaphore guards on a task's ``run`` (outermost first), or an empty list."""
+    return guards_on(task, TaskGuard)
+
+
+class GuardOptions(TypedDict, total=False):
+    """The options of ``@with_semaphore`` and ``@with_lock`` besides ``limit`` and ``key``
+    (see :func:`~celery_redsem.with_semaphore` for their meaning and defaults; a test keeps
+    its keywords and these equal)."""
+
+    lease: float | None
+    max_wait: float | None
+    lost_lease_policy: str | None
+    on_busy: str
+    dedupe: bool | str
 
 
 class TaskGuard:
@@ -134,13 +116,12 @@ class TaskGuard:
         *,
         limit: int | LimitFunction,
         key: str | KeyFunction,
-        lease: float | None = None,
-        max_wait: float | None = None,
-        lost_lease_policy: str | None = None,
-        on_busy: str = "wait",
-        dedupe: bool | str = False,
+        **options: Unpack[GuardOptions],
     ) -> None:
         where = getattr(fn, "__qualname__", repr(fn))
+        lease, max_wait = options.get("lease"), options.get("max_wait")
+        lost_lease_policy = options.get("lost_lease_policy")
+        on_busy, dedupe = options.get("on_busy", "wait"), options.get("dedupe", False)
         self.fn = fn
         self.limits = LimitRule(fn, limit, where)
         #: The limit if it is fixed, else None (a limit function: :meth:`limit_for`).
@@ -215,7 +196,7 @@ class TaskGuard:
         config = get_config(app)
         name = self.name_for(task_name, args, kwargs)
         limit = self.limit_for(task_name, args, kwargs)
-        outer = self._held_by_caller(name, config.key_prefix, limit)
+        outer = held_by_caller(name, config.key_prefix, limit)
         if outer is not None:
             # Re-entrant: a guarded call running in this thread holds this semaphore already,
             # and this call runs inside it (a task calling itself, or another task on the same
@@ -227,7 +208,7 @@ class TaskGuard:
         request = task.request if task is not None and ours else None
         call = _Call(task, request, app, task_name, name, limit, config)
         mark = self._run_mark(call)
-        if mark is not None and (other := mark.claim()) is not None:
+        if mark is not None and request is not None and (other := mark.claim(request)):
             return self._duplicate(call, other)
         started = time.monotonic()
         sem, permit, confirmed_at = self._permit(call, mark, started)
@@ -236,7 +217,7 @@ class TaskGuard:
         # From the grant on, every way out releases: nothing may run between it and the try.
         heartbeat = get_heartbeat()
         held: HeldPermit | None = None
-        entered: Token[tuple[_Entered, ...]] | None = None
+        entered: Entered | None = None
         body_started = time.monotonic()
         gone_at_release = False  # the release found the permit no longer held
         retried = False
@@ -252,11 +233,18 @@ class TaskGuard:
                 ),
             )
             heartbeat.track(held)
-            entered = _entered.set((*_entered.get(), _Entered(held, limit, threading.get_ident())))
+            entered = enter(held, limit)
             if request is not None:
                 setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
             body_started = time.monotonic()
-            record_run_grant(task_name, permit, request, started, handed=confirmed_at is not None)
+            record_run_grant(
+                task_name,
+                permit,
+                request,
+                started,
+                handed=confirmed_at is not None,
+                other_guards=task is not None and len(guards_on(task, object)) > 1,
+            )
             result = self._run_body(held, args, kwargs)
         except Retry:
             retried = True  # the same task id comes back: its mark stays
@@ -264,15 +252,15 @@ class TaskGuard:
         finally:
             hold_times.observe(task_name, time.monotonic() - body_started)
             if entered is not None:
-                _entered.reset(entered)
+                leave(entered)
             if held is not None:
                 heartbeat.untrack(held)  # stop refreshing before releasing
             if release_quietly(sem, permit) is False and held is not None:
                 # Lost before the next refresh could tell (an operator's release, or a
                 # stall past the lease): reported as a refresh would have.
                 gone_at_release = held.lost_at_release()
-            if mark is not None and not retried:
-                mark.clear()
+            if mark is not None:
+                mark.end(clear=not retried)
         if gone_at_release and held is not None and held.lost_lease_policy == "raise":
             raise held.lost_error()
         return result
@@ -296,7 +284,7 @@ class TaskGuard:
             raise  # the same task id comes back: its mark stays
         except BaseException:
             if mark is not None:
-                mark.clear()
+                mark.end()
             raise
         if mark is not None and got[1] is not None:
             mark.hold(got[1].id)  # live from now on as long as the permit is
@@ -315,6 +303,7 @@ class TaskGuard:
             sem = self.semaphore(task.app, name, config, call.limit)
         except BackendError as exc:
             ask.retry_after_error(exc, started=started)
+        standby = take_standby(request)
         handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
         if handed is not None and time.monotonic() - handed[1] <= sem.lease / 3:
             return sem, handed[0], handed[1]  # granted in the main process, moments ago
@@ -322,7 +311,10 @@ class TaskGuard:
         # let it (a child slow to start): its lease may have run out and the permit gone to
         # another task. Asking again under the task id renews it if it is still held.
         if self.on_busy == "wait":
-            return sem, ask.permit_or_retry(sem), None
+            granted = ask.permit_or_retry(sem)
+            if standby:  # the main process held its acknowledgement back until now
+                tell_granted(str(request.id))
+            return sem, granted, None
         try:
             permit = try_once(sem, permit_id_of(request))
         except BackendError as exc:
@@ -330,21 +322,6 @@ class TaskGuard:
         if permit is None and self.on_busy == "fail":
             raise busy(task.name, request.id, sem)
         return sem, permit, None
-
-    def _held_by_caller(self, name: str, prefix: str, limit: int) -> HeldPermit | None:
-        """The permit of semaphore ``name`` that a guarded call running in this thread holds
-        with this guard's limit, if any (not one from a copied context in another thread)."""
-        me = threading.get_ident()
-        for entered in reversed(_entered.get()):
-            held = entered.held
-            if (
-                held.name == name
-                and held.permit.prefix == prefix
-                and entered.limit == limit
-                and entered.thread_id == me
-            ):
-                return held
-        return None
 
     def _app_of_direct_call(self) -> Celery:
         """The app of the task this guard is on, for a ``task.run(...)`` call (no task on the
@@ -378,7 +355,11 @@ class TaskGuard:
             if permit is None and self.on_busy == "fail":
                 raise busy(task_name, permit_id, sem)
             return permit
-        permit = sem.acquire(blocking=True, timeout=config.eager_timeout, permit_id=permit_id)
+        try:
+            permit = sem.acquire(blocking=True, timeout=config.eager_timeout, permit_id=permit_id)
+        except BackendError:  # granted, maybe, with the reply lost: give it back, as hold() does
+            release_quietly(sem, permit_id)
+            raise
         if permit is None:
             record_timeout(task_name)
             raise AcquireTimeout(
@@ -431,7 +412,7 @@ class TaskGuard:
     ) -> None:
         """End a run with on_busy="skip" whose key is busy (see :mod:`.busy`)."""
         if mark is not None:
-            mark.clear()
+            mark.end()
         request = call.request
         if request is not None:
             args, kwargs = tuple(request.args or ()), request.kwargs or {}

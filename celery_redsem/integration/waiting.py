@@ -30,9 +30,11 @@ __all__ = [
     "headers_with_wait",
     "present_waiter_lease",
     "read_wait",
+    "read_wait_of",
     "release_quietly",
     "server_ms",
     "stamp_wait",
+    "stamp_wait_began",
     "wait_in_slot",
 ]
 
@@ -100,6 +102,18 @@ def stamp_wait(request_dict: dict[str, Any], wait: WaitState) -> None:
     headers = request_dict.get("headers")
     if isinstance(headers, Mapping):
         request_dict["headers"] = {**headers, WAIT_HEADER: value}
+
+
+def read_wait_of(request_dict: dict[str, Any]) -> WaitState:
+    """:func:`read_wait` for a worker request's dict (in the worker's main process)."""
+    return read_wait(Context(request_dict))
+
+
+def stamp_wait_began(request_dict: dict[str, Any], first_ms: int) -> None:
+    """Tell the child when the wait of a worker request began (server ms); it fails the task
+    once ``max_wait`` is spent."""
+    wait = read_wait_of(request_dict)
+    stamp_wait(request_dict, WaitState(wait.attempts, first_ms, wait.errors, 0, 0))
 
 
 def present_waiter_lease(config: RedsemConfig) -> float:

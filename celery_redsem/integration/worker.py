@@ -26,7 +26,10 @@ server that is set but unreachable is no reason: tasks retry until it answers.)
 worker steps: it logs the start-up warnings (``acks_late``, task leases, Redis'
 ``maxmemory-policy``) once the worker's logging is set up.
 
-**How the hooks are installed.** :func:`install_worker_hooks` connects the two signal handlers,
+``task_received`` lets a ``dedupe`` task's message take its mark as it arrives (see
+:func:`~celery_redsem.integration.sending.mark_received`).
+
+**How the hooks are installed.** :func:`install_worker_hooks` connects the signal handlers,
 once per process; the decorators call it as they make each guarded task. Not a bootstep
 registered on the app up front: a decorator runs under ``@app.task`` before it knows the app
 (and ``shared_task`` has none), so the signals, which every worker of the process sends, are
@@ -49,7 +52,7 @@ from celery import Celery, Task, bootsteps
 from celery.concurrency import get_implementation
 from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
-from celery.signals import task_revoked, worker_init
+from celery.signals import task_received, task_revoked, worker_init
 from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
@@ -70,7 +73,8 @@ from celery_redsem.integration.config import (
     refresh_stall_warning,
 )
 from celery_redsem.integration.naming import call_arguments
-from celery_redsem.integration.sending import install_dedupe
+from celery_redsem.integration.rate_guard import iter_rate_limited_tasks
+from celery_redsem.integration.sending import install_dedupe, mark_received
 from celery_redsem.integration.task_guard import TaskGuard, guards_of, iter_guarded_tasks
 
 __all__ = [
@@ -121,9 +125,11 @@ def release_task(task: Task[Any, Any], request: Any) -> int:
 
 
 class ReleasingRequest(Request):
-    """A worker request that frees its task's permit when the pool child cannot."""
+    """A worker request that frees its task's permit when the pool child cannot (and whose
+    acknowledgement admission can hold back while it is a standby)."""
 
     _redsem_released = False
+    _redsem_ack_held = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -131,6 +137,20 @@ class ReleasingRequest(Request):
         #: :data:`~celery_redsem.integration.parking.MAX_PARKED` from then (the broker's clock
         #: runs too).
         self.redsem_received_at = time.monotonic()
+
+    def acknowledge(self) -> None:
+        if not self._redsem_ack_held:
+            super().acknowledge()
+
+    def redsem_hold_ack(self) -> None:
+        """Hold the acknowledgement back (a standby's: until its child gets its permit)."""
+        self._redsem_ack_held = True
+
+    def redsem_ack(self) -> None:
+        """Acknowledge now if the acknowledgement was held back and nothing else did it."""
+        if self._redsem_ack_held:
+            self._redsem_ack_held = False
+            super().acknowledge()
 
     def _redsem_release(self) -> None:
         """Release by task id, once per request: a second time (several of the handlers below
@@ -328,6 +348,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if app is None:
         return
     guarded = [task for task, _guards in iter_guarded_tasks(app)]
+    # A worker whose only guarded tasks are rate limited needs admission (and Redis) too.
+    guarded += [task for task in iter_rate_limited_tasks(app) if task not in guarded]
     if not guarded:
         return
     refuse_without_redis(app, guarded)
@@ -349,15 +371,24 @@ def _on_task_revoked(
     release_task(sender, request)
 
 
+def _on_task_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if request is not None:
+        mark_received(request)
+
+
 _installed = False
 
 
 def install_worker_hooks() -> None:
-    """Connect the handlers of ``worker_init`` and ``task_revoked``, once per process (later
-    calls do nothing). The decorators call it for every guarded task they make."""
+    """Connect the handlers of ``worker_init``, ``task_revoked`` and ``task_received`` (a
+    ``dedupe`` task's message takes its mark as it arrives), once per process (later calls do
+    nothing). The decorators call it for every guarded task they make."""
     global _installed  # noqa: PLW0603
     if _installed:
         return
     worker_init.connect(_on_worker_init, weak=False, dispatch_uid=f"{__name__}.on_worker_init")
     task_revoked.connect(_on_task_revoked, weak=False, dispatch_uid=f"{__name__}.on_task_revoked")
+    task_received.connect(
+        _on_task_received, weak=False, dispatch_uid=f"{__name__}.on_task_received"
+    )
     _installed = True

@@ -84,3 +84,55 @@ def test_a_backlog_is_parked_and_nothing_is_lost_or_run_twice_when_a_worker_is_k
     # The dead worker's permits end with their leases; nothing is left in line.
     sem = holder(app, f"counted:{key}", 3)
     wait_until(lambda: sem.state().holders == [] and sem.state().waiters == [], 15, what="empty")
+
+
+@pytest.mark.slow
+def test_a_standby_killed_before_its_turn_is_delivered_again_and_runs_once(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # Lock on one key, three tasks through a worker of three slots: A runs, B and C park. When
+    # A ends here, B gets the lock and C goes to a spare slot as the lock's standby, waiting
+    # in its child for B's release. The worker is SIGKILLed then: B's body is lost with it (its
+    # message was acknowledged as it started, as Celery does by default), but C's message was
+    # held back until C's grant, so the broker delivers C again and it runs, once, elsewhere.
+    queue = f"standby-{key}"
+    transport = {
+        "global_keyprefix": f"{module_prefix}:kombu:",
+        "visibility_timeout": 4,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
+    conf = {"broker_transport_options": transport, "redsem_head_wait": 5.0}
+    locked = app.tasks["t.locked"]
+    node = f"v-{key}@{os.uname().nodename}"
+    inspect = app.control.inspect(timeout=1.0, destination=[node])
+    with running_workers(
+        redis_url, module_prefix, tmp_path, [f"v-{key}"], 3, "-Q", queue, **conf
+    ) as (victim,):
+        first = locked.apply_async((key, 2.0), queue=queue)
+        second = locked.apply_async((key, 2.0), queue=queue)
+        wait_until(lambda: "start " + second.id in _log_of(app, key), 30, what="B started")
+        third = locked.apply_async((key, 0.1), queue=queue)
+        wait_until(
+            lambda: third.id in {t["id"] for ts in (inspect.active() or {}).values() for t in ts},
+            5,
+            what="C waiting as the standby in a pool child",
+        )
+        assert "start " + third.id not in _log_of(app, key)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+    assert first.get(timeout=10)["name"] == f"locked:{key}"
+    with running_workers(redis_url, module_prefix, tmp_path, [f"s-{key}"], 2, "-Q", queue, **conf):
+        assert third.get(timeout=30)["name"] == f"locked:{key}"
+    events = _log_of(app, key)
+    assert sorted(_ids(events, "start")) == sorted([first.id, second.id, third.id])
+    assert sorted(_ids(events, "end")) == sorted([first.id, third.id])  # B died mid-body
+
+
+def _log_of(app: Celery, key: str) -> list[str]:
+    client = redis.Redis.from_url(app.conf.broker_url)
+    try:
+        entries = client.lrange(f"{app.conf.redsem_key_prefix}:t:log:{key}", 0, -1)
+    finally:
+        client.close()
+    return [entry.decode() for entry in entries]
