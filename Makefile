@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint types pytest docs demo bench bench-core bench-celery bench-burst clean
+.PHONY: test lint types pytest docs demo bench bench-core bench-celery bench-burst bench-rate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench-celery: $(STAMP)
 # One hot key's 1,000-deep burst (issue 19's backlog scenario) on both brokers.
 bench-burst: $(STAMP)
 	$(PY) -m benchmarks.bench_celery --scenario backlog $(BENCH_ARGS)
+
+# Per-key rate: @with_rate_limit against Celery's rate_limit, two workers, both brokers.
+bench-rate: $(STAMP)
+	$(PY) -m benchmarks.bench_rate $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache

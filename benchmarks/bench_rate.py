@@ -1,87 +1,145 @@
 """Per-key rate: ``@with_rate_limit`` against Celery's own ``rate_limit``, two prefork workers.
 
-Run with ``python -m benchmarks.bench_rate [--tasks N] [--rate R] [--concurrency C]``. The same
-workload (``--tasks`` (60) empty tasks on one key, all sent at once) goes through two real
-``celery worker -c C`` processes twice: once with ``@with_rate_limit(f"{R}/s")`` on the key,
-once with Celery's ``@app.task(rate_limit=f"{R}/s")``. Each start is stamped with the server's
-clock; printed per variant: the most starts in any one-second window (the target: at most
-``R`` + burst 1), the achieved rate over the run, and the makespan against the ideal
-``(N - 1) / R``. Celery's limit is per worker, so two workers let through about ``2 x R``.
-The module is also the workers' app (``-A benchmarks.bench_rate``, set up from env).
+Run with ``python -m benchmarks.bench_rate [--hot N] [--cold N] [--rate R] [--brokers
+redis,amqp]``. The workload is issue 22's acceptance: ``--hot`` (120) tasks on key "hot", then
+``--cold`` (30) on key "cold", all sent at once, through two real ``celery worker -P prefork -c
+C`` processes, once per variant:
+
+* ``ours``: ``@with_rate_limit(f"{R}/s", key=...)`` per key, ``max_retries=0``;
+* ``celery``: Celery's ``@app.task(rate_limit=f"{R}/s")``, the only rate limit Celery has: per
+  worker and per task type, so two workers let through about ``2 x R`` a second, whatever the key.
+
+Each body start is stamped with the Redis server's clock. Printed per variant and key: the
+most starts in any one-second window (the target for ours: at most ``R`` + burst 1 per key;
+Celery's figure for all keys together shows its ``workers x rate``), the time from the key's
+first send to its last start against its ideal ``(N - 1) / R`` (targets: at most 1.15 x for
+the hot key, 1.3 x for the cold one), the largest gap between a task's place in the send order
+and in the start order (first sent, first served), contention retries through the broker
+(trips) and failed tasks. RabbitMQ (``amqp``) is skipped with a printed line when nothing
+answers at ``--amqp-url``. The module is also the workers' app (``-A benchmarks.bench_rate``,
+set up from the environment).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
 
-from benchmarks._brokers import cpu_model
+from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, drop_queue, host_line
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
 from celery_redsem import with_rate_limit
+from celery_redsem.integration.waiting import read_wait
 
 ROOT = Path(__file__).resolve().parents[1]
-_ENV = ("REDSEM_BENCH_APP_URL", "REDSEM_BENCH_APP_PREFIX", "REDSEM_BENCH_APP_RATE")
+VARIANTS = ("ours", "celery")
+HOT_TARGET = 1.15  # the hot key's time to its last start, at most this x its ideal
+_ENV = ("REDSEM_BENCH_APP_URL", "REDSEM_BENCH_APP_BROKER", "REDSEM_BENCH_APP_PREFIX")
+_RATE_ENV = "REDSEM_BENCH_APP_RATE"
 
 
-def make_app(url: str, prefix: str, rate: float) -> Celery:
-    """The benchmark's app: both variants of the task, starts logged on the server's clock."""
+def make_app(url: str, broker_url: str, prefix: str, rate: float) -> Celery:
+    """The benchmark's app: both variants of the task; starts logged on the server's clock.
+
+    Tasks go to the queue ``prefix`` (control messages to the exchange ``prefix``), so no other
+    run sees them; results and records stay on the Redis server ``url`` under ``prefix``.
+    """
     app = Celery("bench_rate", set_as_current=False)
     app.conf.update(
-        broker_url=url,
+        broker_url=broker_url,
         result_backend=url,
-        broker_transport_options={"global_keyprefix": f"{prefix}:kombu:"},
+        task_default_queue=prefix,
+        control_exchange=prefix,
         result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+        broker_connection_retry_on_startup=True,
         redsem_key_prefix=prefix,
         worker_hijack_root_logger=False,
     )
+    if not broker_url.startswith("amqp"):
+        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
     clients: dict[int, redis.Redis] = {}
 
-    def stamp(variant: str) -> None:
+    def stamp(variant: str, key: str, n: int, request: Any) -> None:
         client = clients.setdefault(os.getpid(), redis.Redis.from_url(url))
         seconds, micros = client.time()
-        client.rpush(f"{prefix}:starts:{variant}", seconds * 1_000_000 + micros)
+        trips = read_wait(request).attempts  # contention retries through the broker
+        client.rpush(f"{prefix}:starts:{variant}:{key}", f"{seconds}.{micros:06d} {n} {trips}")
 
-    @app.task(shared=False, name="bench.ours", max_retries=0)
-    @with_rate_limit(rate, key="bench")
-    def ours() -> None:
-        stamp("ours")
+    @app.task(shared=False, bind=True, name="bench.ours", max_retries=0)
+    @with_rate_limit(rate, key=lambda key: f"bench:{key}")
+    def ours(self: Any, key: str, n: int) -> None:
+        stamp("ours", key, n, self.request)
 
-    @app.task(shared=False, name="bench.celerys", rate_limit=f"{rate}/s")
-    def celerys() -> None:
-        stamp("celerys")
+    @app.task(shared=False, bind=True, name="bench.celery", max_retries=0, rate_limit=f"{rate}/s")
+    def celerys(self: Any, key: str, n: int) -> None:
+        stamp("celery", key, n, self.request)
 
     return app
 
 
-if all(name in os.environ for name in _ENV):  # a worker of this benchmark
-    app = make_app(*(os.environ[name] for name in _ENV[:2]), float(os.environ[_ENV[2]]))
+if all(name in os.environ for name in (*_ENV, _RATE_ENV)):  # a worker of this benchmark
+    app = make_app(*(os.environ[name] for name in _ENV), float(os.environ[_RATE_ENV]))
 
 
-def _most_in_a_second(starts: list[float]) -> int:
+@dataclass(frozen=True)
+class KeyFigures:
+    """What one key (or all keys: ``key`` "all") got in one run."""
+
+    key: str
+    starts: int
+    most_in_a_second: int
+    took: float  # the key's first send to its last start, seconds
+    ideal: float  # (starts - 1) / rate
+    displacement: int  # largest |place in send order - place in start order|
+    trips: int  # contention retries through the broker
+
+
+def most_in_a_second(starts: list[float]) -> int:
+    """The most starts in any window [t, t + 1 s)."""
     return max((sum(1 for t in starts[i:] if t - s < 1.0) for i, s in enumerate(starts)), default=0)
 
 
-def _run(url: str, variant: str, tasks: int, rate: float, concurrency: int) -> str:
-    prefix = unique_prefix()
+def _figures(
+    key: str, rows: list[tuple[float, int, int]], sent_at: float, rate: float
+) -> KeyFigures:
+    rows = sorted(rows)
+    starts = [t for t, _, _ in rows]
+    order = [n for _, n, _ in rows]
+    ranks = {n: rank for rank, n in enumerate(sorted(order))}
+    return KeyFigures(
+        key=key,
+        starts=len(rows),
+        most_in_a_second=most_in_a_second(starts),
+        took=starts[-1] - sent_at if starts else 0.0,
+        ideal=(len(rows) - 1) / rate,
+        displacement=max((abs(place - ranks[n]) for place, n in enumerate(order)), default=0),
+        trips=sum(trips for _, _, trips in rows),
+    )
+
+
+def _workers(broker: Broker, url: str, prefix: str, rate: float, concurrency: int) -> list[Any]:
     env = {
         **os.environ,
         "REDSEM_BENCH_APP_URL": url,
+        "REDSEM_BENCH_APP_BROKER": broker.url,
         "REDSEM_BENCH_APP_PREFIX": prefix,
-        "REDSEM_BENCH_APP_RATE": str(rate),
+        _RATE_ENV: str(rate),
         "PYTHONPATH": str(ROOT),
     }
     command = [sys.executable, "-m", "celery", "-A", "benchmarks.bench_rate", "worker"]
     options = ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "--without-gossip"]
-    workers = [
+    return [
         subprocess.Popen(
-            [*command, *options, "--without-mingle", "-n", f"{variant}{n}@%h"],
+            [*command, *options, "--without-mingle", "-n", f"rate{n}-{prefix}@%h"],
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -89,47 +147,150 @@ def _run(url: str, variant: str, tasks: int, rate: float, concurrency: int) -> s
         )
         for n in range(2)
     ]
-    bench = make_app(url, prefix, rate)
+
+
+def run_variant(
+    broker: Broker, url: str, variant: str, args: argparse.Namespace
+) -> tuple[list[KeyFigures], int]:
+    """One variant on fresh workers: the figures of each key and of all keys, and failures."""
+    prefix = unique_prefix()
+    bench = make_app(url, broker.url, prefix, args.rate)
     client = redis.Redis.from_url(url)
+    workers = _workers(broker, url, prefix, args.rate, args.concurrency)
     try:
         deadline = time.monotonic() + 60
-        while len(bench.control.ping(timeout=0.5)) < 2 and time.monotonic() < deadline:
-            pass
-        results = [bench.tasks[f"bench.{variant}"].delay() for _ in range(tasks)]
+        while len(bench.control.ping(timeout=0.5)) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the two workers did not answer a ping within 60 s")
+        task = bench.tasks[f"bench.{variant}"]
+        keys = {"hot": args.hot, "cold": args.cold}
+        sent_at: dict[str, float] = {}
+        results = []
+        for key, count in keys.items():
+            seconds, micros = client.time()
+            sent_at[key] = seconds + micros / 1e6
+            results += [task.delay(key, n) for n in range(count)]
+        timeout = (args.hot + args.cold) / args.rate * 3 + 60
+        failed = 0
         for result in results:
-            result.get(timeout=tasks / rate * 2 + 30)
-        starts = sorted(int(v) / 1e6 for v in client.lrange(f"{prefix}:starts:{variant}", 0, -1))
+            with contextlib.suppress(Exception):
+                result.get(timeout=timeout, propagate=False)
+            failed += result.state != "SUCCESS"
+        rows: dict[str, list[tuple[float, int, int]]] = {}
+        for key in keys:
+            raw = client.lrange(f"{prefix}:starts:{variant}:{key}", 0, -1)
+            rows[key] = [(float(t), int(n), int(c)) for t, n, c in (v.split() for v in raw)]
+        figures = [_figures(key, rows[key], sent_at[key], args.rate) for key in keys]
+        every = [(t, 0, c) for key in keys for t, _, c in rows[key]]
+        figures.append(_figures("all", every, sent_at["hot"], args.rate))
+        return figures, failed
     finally:
         for worker in workers:
             worker.terminate()
         for worker in workers:
-            worker.wait(30)
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait(10)
+        if not broker.is_redis:
+            drop_queue(bench, prefix)
         delete_prefix(client, prefix)
         client.close()
         bench.close()
-    makespan = starts[-1] - starts[0]
-    ideal = (tasks - 1) / rate
-    return (
-        f"{variant:8s} most starts in 1 s: {_most_in_a_second(starts):3d} (target <= "
-        f"{rate:g} + 1)  achieved {(tasks - 1) / makespan:6.1f}/s  makespan {makespan:5.2f}s "
-        f"(ideal {ideal:.2f}s, {makespan / ideal:.2f} x)"
+
+
+def _table(broker: Broker, results: dict[str, tuple[list[KeyFigures], int]]) -> None:
+    print(
+        f"{'broker':6s}  {'variant':7s}  {'key':4s}  {'starts':>6s}  {'most/1s':>7s}  "
+        f"{'took':>6s}  {'ideal':>6s}  {'x ideal':>7s}  {'fifo gap':>8s}  {'trips':>5s}  failed"
     )
+    for variant, (figures, failed) in results.items():
+        for f in figures:
+            ratio = f"{f.took / f.ideal:7.2f}" if f.ideal > 0 else "    n/a"
+            fifo = "--" if f.key == "all" else str(f.displacement)
+            print(
+                f"{broker.name:6s}  {variant:7s}  {f.key:4s}  {f.starts:6d}  "
+                f"{f.most_in_a_second:7d}  {f.took:6.2f}  {f.ideal:6.2f}  {ratio}  {fifo:>8s}  "
+                f"{f.trips:5d}  {failed}"
+            )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=60)
-    parser.add_argument("--rate", type=float, default=10.0)
-    parser.add_argument("--concurrency", type=int, default=4)
-    args = parser.parse_args()
-    with bench_server() as server:
-        print(f"host: {os.cpu_count()} CPUs, {cpu_model()}; server {server.version}")
+def _verdicts(results: dict[str, tuple[list[KeyFigures], int]], args: argparse.Namespace) -> bool:
+    """Print each target with its figure and MET or MISSED; True if ours met every one."""
+    ours, failed = results["ours"]
+    by_key = {f.key: f for f in ours}
+    hot, cold = by_key["hot"], by_key["cold"]
+    bound = int(args.rate) + 1
+    checks = [
+        (
+            f"ours: most starts in 1 s per key <= {bound}",
+            max(hot.most_in_a_second, cold.most_in_a_second) <= bound,
+            f"hot {hot.most_in_a_second}, cold {cold.most_in_a_second}",
+        ),
+        (
+            f"ours: hot key's last start <= {HOT_TARGET} x ideal",
+            hot.took <= HOT_TARGET * hot.ideal,
+            f"{hot.took:.2f}s = {hot.took / hot.ideal:.2f} x {hot.ideal:.2f}s",
+        ),
+        (
+            "ours: cold key near its own ideal (<= 1.3 x)",
+            cold.took <= 1.3 * cold.ideal,
+            f"{cold.took:.2f}s = {cold.took / cold.ideal:.2f} x {cold.ideal:.2f}s",
+        ),
+        ("ours: no task failed (max_retries=0)", failed == 0, f"{failed} failed"),
+    ]
+    for name, met, figure in checks:
+        print(f"  {'MET   ' if met else 'MISSED'} {name}: {figure}")
+    if "celery" in results:
+        celery_all = {f.key: f for f in results["celery"][0]}["all"]
         print(
-            f"{args.tasks} tasks on one key at {args.rate:g}/s, two workers -c {args.concurrency}"
+            f"  celery's rate_limit: {celery_all.most_in_a_second} starts in 1 s over both keys "
+            f"(2 workers x {args.rate:g}/s = {2 * args.rate:g}); ours: "
+            f"{by_key['all'].most_in_a_second} over both keys, {args.rate:g}/s per key"
         )
-        for variant in ("ours", "celerys"):
-            print(_run(server.url, variant, args.tasks, args.rate, args.concurrency), flush=True)
+    return all(met for _, met, _ in checks)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hot", type=int, default=120, help="tasks on the hot key (120)")
+    parser.add_argument("--cold", type=int, default=30, help="tasks on the cold key (30)")
+    parser.add_argument("--rate", type=float, default=20.0, help="per key, a second (20)")
+    parser.add_argument("--concurrency", type=int, default=4, help="slots per worker (4)")
+    parser.add_argument("--brokers", default="redis,amqp", metavar="redis,amqp")
+    parser.add_argument("--amqp-url", default=AMQP_URL, help="RabbitMQ (default: %(default)s)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), metavar="ours,celery")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if set(variants) - set(VARIANTS) or "ours" not in variants:
+        parser.error("--variants takes ours (always) and celery")
+    with contextlib.suppress(AttributeError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    met = True
+    with bench_server() as server:
+        embedded = ", embedded" if server.embedded else ""
+        for name in args.brokers.split(","):
+            broker: Broker | str = (
+                Broker("redis", server.url, server.version + embedded)
+                if name == "redis"
+                else amqp_broker(args.amqp_url)
+            )
+            if isinstance(broker, str):
+                print(f"\n[{name}] skipped: {broker}")
+                continue
+            print(f"\n== rate [broker {broker.name}] ==")
+            print(host_line(broker, server.version + embedded))
+            print(
+                f"{args.hot} tasks on 'hot' then {args.cold} on 'cold', {args.rate:g}/s per key, "
+                f"two workers -c {args.concurrency}; {time.strftime('%Y-%m-%d %H:%M')}"
+            )
+            results = {v: run_variant(broker, server.url, v, args) for v in variants}
+            _table(broker, results)
+            met = _verdicts(results, args) and met
+    print(f"\nsummary: {'every target MET' if met else 'a target MISSED'}")
+    return 0  # a measurement, not a test: exit 0 whether or not a target is met
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

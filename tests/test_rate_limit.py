@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -154,3 +155,80 @@ def test_the_script_refuses_settings_out_of_bounds(redis_client: redis.Redis, pr
     with pytest.raises(BackendError, match="out of bounds"):
         run_script(GCRA, redis_client, [keys.rate, keys.rate_line], [0, 1, 0, 0, 0, ""], "bad")
     assert not redis_client.exists(keys.rate, keys.rate_line)
+
+
+def _server_us(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def test_a_refused_attempt_is_told_exactly_when_it_may_run(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """``retry_after`` is the next free slot less the server time of the attempt itself: that
+    time lies between two server readings taken around the call."""
+    limiter = RateLimiter(redis_client, "r", "4/s", burst=2, prefix=prefix)
+    assert limiter.attempt()
+    assert limiter.attempt()
+    before = _server_us(redis_client)
+    refused = limiter.attempt()
+    after = _server_us(redis_client)
+    free_at = limiter.state().tat_us
+    assert free_at is not None
+    free_at -= 250_000  # burst 2: the next slot is one interval before the TAT
+    assert not refused.admitted
+    assert before <= free_at - round(refused.retry_after * 1e6) <= after
+
+
+class _CountingConnection(redis.Connection):
+    """A real connection that notes the name of every command it sends."""
+
+    sent: ClassVar[list[str]] = []
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        name = args[0]
+        self.sent.append((name.decode() if isinstance(name, bytes) else str(name)).upper())
+        super().send_command(*args, **kwargs)
+
+
+def test_one_script_call_and_one_round_trip_per_attempt(redis_url: str, prefix: str) -> None:
+    """An attempt, admitted, refused, booked or reserved, sends one EVALSHA and nothing else."""
+    pool = redis.ConnectionPool.from_url(redis_url, connection_class=_CountingConnection)
+    client = redis.Redis(connection_pool=pool)
+    try:
+        limiter = RateLimiter(client, "r", "1/s", prefix=prefix)
+        limiter.attempt("warm-up")  # connects (and loads the script on a new server)
+        _CountingConnection.sent.clear()
+        results = [
+            limiter.attempt(),
+            limiter.attempt("a", book=True),
+            limiter.attempt("b", reserve=True),
+            limiter.attempt("a", book=True),
+        ]
+        assert _CountingConnection.sent == ["EVALSHA"] * 4
+    finally:
+        client.close()
+        pool.disconnect()
+    assert [r.admitted for r in results] == [False] * 4
+    assert [r.booked for r in results] == [False, True, True, True]
+
+
+def test_a_reserved_slot_is_taken_by_its_id_only_and_counts_from_then(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    limiter = RateLimiter(redis_client, "r", "20/s", prefix=prefix)
+    first = limiter.attempt("a", reserve=True)  # free now: kept for "a", nobody admitted
+    assert (first.admitted, first.booked, first.retry_after) == (False, True, 0.0)
+    assert not limiter.attempt()  # a newcomer finds the slot taken
+    assert limiter.attempt("a")  # "a" takes it
+    assert limiter.attempt("a", reserve=True)  # admitted before: again, no second slot
+    # Two slots reserved, then both taken late at the same moment: the admissions are
+    # spaced by the rate however late they come.
+    later = [limiter.attempt(pid, reserve=True) for pid in ("b", "c")]
+    assert [r.booked for r in later] == [True, True]
+    wait_until(lambda: limiter.attempt("c", reserve=True).retry_after == 0, 2, what="c due")
+    assert limiter.attempt("b")
+    late = limiter.attempt("c", book=True)
+    assert (late.admitted, late.booked) == (False, True)
+    assert 0.04 < late.retry_after <= 0.05
+    assert limiter.state().booked == 1

@@ -11,9 +11,13 @@ GCRA (the generic cell rate algorithm): one key holds the limiter's theoretical 
 clock only. An attempt is admitted, or refused with the exact wait until it may run. Under a
 permit id an attempt may also *book* that slot: the next free one is then kept for the caller
 (first to ask, first served), so a caller that waits for its ``retry_after`` and asks again is
-admitted without racing anyone. Bookings and admissions are remembered per permit id for
-``keep`` seconds after their slot, which makes attempts idempotent (a retried call uses no
-second slot). Every key expires: an idle limiter leaves nothing behind.
+admitted without racing anyone. With ``reserve`` the next free slot is kept even when it is free
+now, and nobody is admitted: the caller takes it with a later attempt under that id, and the
+admission (which the rate spaces, however late the caller comes) counts from then. A Celery
+worker's main process reserves, its pool child takes the slot just before the task body starts.
+Bookings and admissions are remembered per permit id for ``keep`` seconds after their slot,
+which makes attempts idempotent (a retried call uses no second slot). Every key expires: an
+idle limiter leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -148,13 +152,21 @@ class RateLimiter:
         return f"<RateLimiter {self.name!r} {self.rate:g}/s burst={self.burst}>"
 
     def attempt(
-        self, permit_id: str | None = None, *, book: bool = False, max_wait: float | None = None
+        self,
+        permit_id: str | None = None,
+        *,
+        book: bool = False,
+        reserve: bool = False,
+        max_wait: float | None = None,
     ) -> RateResult:
         """One attempt, one round trip: admitted now, or how long until a slot is free.
 
         Under a ``permit_id`` the attempt is idempotent (see the module docstring), and with
         ``book`` a refused one keeps the next free slot for that id if it is at most
-        ``max_wait`` seconds ahead (None: any).
+        ``max_wait`` seconds ahead (None: any). ``reserve`` keeps that slot even when it is
+        free now and admits nobody: the result is booked, with ``retry_after`` 0 if the slot
+        is due; an attempt under the id at its slot is admitted (spaced by the rate from the
+        admission before it if late), and an id admitted before is admitted again.
         """
         if permit_id is not None and not (
             isinstance(permit_id, str) and 0 < len(permit_id) <= MAX_PERMIT_ID_LENGTH
@@ -164,15 +176,16 @@ class RateLimiter:
                 f"got {permit_id!r:.80}",
                 name=self.name,
             )
-        if book and permit_id is None:
-            raise ConfigurationError("book=True needs a permit_id to keep the slot for")
+        if (book or reserve) and permit_id is None:
+            what = "reserve" if reserve else "book"
+            raise ConfigurationError(f"{what}=True needs a permit_id to keep the slot for")
         horizon = _TIMEOUT.check(max_wait, "max_wait", name=self.name)
         horizon_us = MAX_SECONDS * 1e6 if horizon is None else min(horizon, MAX_SECONDS) * 1e6
         admitted, wait_us, booked = run_script(
             GCRA,
             self.client,
             [self.keys.rate, self.keys.rate_line],
-            [*self._args, int(book), math.floor(horizon_us), permit_id or ""],
+            [*self._args, 2 if reserve else int(book), math.floor(horizon_us), permit_id or ""],
             self.name,
         )
         return RateResult(bool(admitted), int(wait_us) / 1e6, bool(booked))

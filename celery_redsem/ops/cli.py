@@ -3,7 +3,7 @@
 Installed through the ``celery.commands`` entry point, so it runs with your app's settings::
 
     celery -A proj redsem status --pattern 'market:*'
-    celery -A proj redsem inspect market:42
+    celery -A proj redsem inspect market:42      # its rate limiter too, if it has one
     celery -A proj redsem release market:42 <task id>
     celery -A proj redsem purge --yes
 
@@ -29,7 +29,7 @@ from celery_redsem.core.clients import client_from_url
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, RedsemError
 from celery_redsem.core.keys import SemaphoreKeys, validate_prefix
 from celery_redsem.core.permits import SemaphoreState
-from celery_redsem.core.rate_limit import RateState
+from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.redaction import redact_url, scrub
 from celery_redsem.core.state import read_state
 from celery_redsem.ops.admin import (
@@ -225,8 +225,9 @@ def status(
     """The semaphore NAME, those whose name matches --pattern, or (neither) every semaphore.
 
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
-    order they will be served, and the last fencing token granted; then each rate limiter of
-    the selection: its rate, burst, next free time and booked slots. Found with SCAN, never KEYS.
+    order they will be served, and the last fencing token granted; and, listed first, each rate
+    limiter of the selection: its rate, burst, next free time and booked slots. Found with
+    SCAN, never KEYS.
     A semaphore that cannot be read is skipped with a warning; the others are listed.
     """
     glob = _selection(name, pattern)
@@ -275,26 +276,49 @@ def status(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
 def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
-    """Everything about the semaphore NAME. Exits with 1 if it has no keys in Redis."""
+    """Everything about the semaphore NAME, and the rate limiter NAME if it has one (rate,
+    burst, next free time, booked slots). Exits with 1 if neither has keys in Redis."""
     target = _target(ctx)
     state = _run(lambda: read_state(target.client, name, prefix=target.prefix))
+    limiter = _run(lambda: read_rate_state(target.client, name, prefix=target.prefix))
     exists = state.limit is not None or bool(state.holders or state.waiters)
-    ttls = _run(lambda: _ttls(target.client, SemaphoreKeys(target.prefix, name).all))
+    limited = limiter.rate is not None or limiter.remembered > 0
+    keys = SemaphoreKeys(target.prefix, name)
+    ttls = _run(lambda: _ttls(target.client, keys.all))
+    rate_ttls = _run(lambda: _ttls(target.client, [keys.rate, keys.rate_line]))
     if as_json:
-        _print_json({**state_to_dict(state), "exists": exists, "key_ttls_ms": ttls})
-    elif exists:
+        _print_json(
+            {
+                **state_to_dict(state),
+                "exists": exists or limited,
+                "key_ttls_ms": {**ttls, **rate_ttls},
+                "rate_limiter": asdict(limiter) if limited else None,
+            }
+        )
+    if exists and not as_json:
         click.echo(_summary_line(ctx, state))
-        for key, ttl in ttls.items():
-            expiry = "has no TTL!" if ttl < 0 else f"expires in {_seconds(ttl)} unless used"
-            click.echo(f"  key     {key}  ({expiry})")
+        _echo_ttls(ttls)
         click.echo(f"  holders ({len(state.holders)}, soonest lease end first)")
         click.echo("\n".join(_holder_lines(state)) or "    none")
         click.echo(f"  waiters ({len(state.waiters)}, in the order they will be served)")
         click.echo("\n".join(_waiter_lines(state)) or "    none")
-    if not exists:
+    if limited and not as_json:
+        click.echo(_rate_line(ctx, limiter))
+        _echo_ttls(rate_ttls)
+        click.echo(f"  remembered ids {limiter.remembered} (admitted or booked, kept a while)")
+    if not exists and not limited:
         if not as_json:
-            click.echo(f"No semaphore {name!r} under prefix {target.prefix!r}.", err=True)
+            click.echo(
+                f"No semaphore {name!r} under prefix {target.prefix!r}, and no rate limiter.",
+                err=True,
+            )
         ctx.exit(1)
+
+
+def _echo_ttls(ttls: dict[str, int]) -> None:
+    for key, ttl in ttls.items():
+        expiry = "has no TTL!" if ttl < 0 else f"expires in {_seconds(ttl)} unless used"
+        click.echo(f"  key     {key}  ({expiry})")
 
 
 @redsem.command()

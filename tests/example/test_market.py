@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -13,7 +14,9 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import FairSemaphore, Permit, get_client, get_config
+from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.integration.config import SETTINGS
+from celery_redsem.integration.rate_guard import rate_guards_of
 from celery_redsem.integration.task_guard import guards_of
 from tests.example.conftest import EXAMPLE_DIR
 from tests.servers import wait_until
@@ -69,6 +72,34 @@ def test_a_burst_on_a_real_worker_never_exceeds_five_per_account(example, accoun
         get_client(example), f"market:{account}", 5, prefix=get_config(example).key_prefix
     )
     assert sem.holders() == []
+
+
+def test_purchases_keep_the_accounts_published_rate(example, account, monkeypatch):
+    """Short purchases that five at a time would start hundreds a second: the account's rate
+    (``ACCOUNT_RATE``, 20/s, under its semaphore) spaces them, across the worker's threads."""
+    from market import market_api, tasks
+
+    (rate,) = rate_guards_of(tasks.buy_item)
+    assert rate.rate == 20.0
+    # Refused purchases come back through the in-memory broker: poll it often.
+    monkeypatch.setitem(example.conf, "broker_transport_options", {"polling_interval": 0.01})
+    with start_worker(example, pool="threads", concurrency=10, perform_ping_check=False):
+        for i in range(12):
+            tasks.buy_item.delay(account, f"item-{i}", 0.01, time.time())
+        wait_until(
+            lambda: market_api.books([account])[account]["done"] == 12,
+            60,
+            interval=0.05,
+            what="12 purchases",
+        )
+    assert market_api.books([account])[account]["rejected"] == 0
+    # The limiter's line remembers when it admitted each purchase (server time, microseconds).
+    line = SemaphoreKeys(get_config(example).key_prefix, f"market:{account}").rate_line
+    client = get_client(example)
+    admitted = sorted(-s / 1e6 for _, s in client.zrange(line, 0, -1, withscores=True) if s < 0)
+    assert len(admitted) == 12
+    for i, j in itertools.combinations(range(12), 2):  # burst 1: at most 1 + span x 20
+        assert j - i + 1 <= 1 + (admitted[j] - admitted[i]) * 20 + 1e-3
 
 
 def test_the_report_lock_passes_its_fencing_token_to_the_store(eager, account):

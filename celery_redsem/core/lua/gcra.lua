@@ -14,14 +14,17 @@
 -- ARGV[1] interval in microseconds (1 .. MAX_MS * 1000)
 -- ARGV[2] burst: admissions the limiter allows at once (1 .. MAX_COUNT)
 -- ARGV[3] keep: milliseconds an admission or booking is remembered after its slot (0 .. MAX_MS)
--- ARGV[4] book: 1 to book the next free slot when refused, 0 to only try
+-- ARGV[4] book: 0 to only try, 1 to book the next free slot when refused, 2 to reserve it:
+--         book the next free slot even if it is free now, admitting nobody (the caller takes
+--         it later, at its slot, with an attempt under the same id: the admission counts then)
 -- ARGV[5] horizon: book only a slot at most this many microseconds ahead (0 .. MAX_MS * 1000)
 -- ARGV[6] permit id ('' for none: nothing is remembered, nothing booked)
 -- (Settings out of bounds get an error reply, and nothing is written.)
 --
 -- Returns {admitted, wait, booked}: admitted 1 (wait 0) or 0; wait the microseconds until the
 --         caller may run (its booked slot, or later if late callers took the actual slots, if
---         booked is 1; else the next free slot, which others may take first).
+--         booked is 1, and 0 for a reserved slot that is due; else the next free slot, which
+--         others may take first).
 --
 -- Idempotent per permit id: an id admitted within `keep` is admitted again without using a
 -- slot; one that booked gets the time left until its slot. Booked slots are served in the
@@ -29,7 +32,8 @@
 -- @common
 local rate_key, line_key = KEYS[1], KEYS[2]
 local interval, burst, keep = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local book, horizon, id = ARGV[4] == '1', tonumber(ARGV[5]), ARGV[6]
+local book, reserve = ARGV[4] == '1' or ARGV[4] == '2', ARGV[4] == '2'
+local horizon, id = tonumber(ARGV[5]), ARGV[6]
 if not (interval and burst and keep and horizon)
     or interval < 1 or interval > MAX_MS * 1000 or burst < 1 or burst > MAX_COUNT
     or keep < 0 or keep > MAX_MS or horizon < 0 or horizon > MAX_MS * 1000 then
@@ -70,8 +74,8 @@ if id ~= '' then
       return {1, 0, 0} -- admitted before: again, using no slot
     end
     local wait = math.max(slot, atat - tau) - now
-    if wait > 0 then
-      return {0, wait, 1}
+    if wait > 0 or reserve then
+      return {0, math.max(wait, 0), 1}
     end
     return admit(slot)
   end
@@ -79,7 +83,7 @@ end
 
 local free_at = math.max(tat, atat) - tau
 local wait = free_at - now
-if wait <= 0 then
+if wait <= 0 and not reserve then
   return admit(nil)
 end
 if not (book and id ~= '' and tat - tau - now <= horizon) then
@@ -92,4 +96,4 @@ redis.call('HSET', rate_key, 'tat', fmt(tat), 'interval', fmt(interval), 'burst'
 redis.call('PEXPIRE', rate_key, fmt(ttl))
 redis.call('ZADD', line_key, fmt(slot), id)
 redis.call('PEXPIRE', line_key, fmt(ttl + keep))
-return {0, math.max(slot, atat - tau) - now, 1}
+return {0, math.max(slot, atat - tau, now) - now, 1}
