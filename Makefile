@@ -22,7 +22,7 @@ types: $(STAMP)
 	$(VENV)/bin/mypy celery_redsem
 
 pytest: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 3 --dist loadfile
 
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html

