@@ -88,10 +88,12 @@ def proxy(redis_url: str) -> Iterator[ReplyEater]:
 
 
 @pytest.fixture
-def proxied(proxy: ReplyEater) -> Iterator[redis.Redis]:
-    """A client through the proxy: a short socket timeout and no retries."""
+def proxied(redis_url: str, proxy: ReplyEater) -> Iterator[redis.Redis]:
+    """A client through the proxy (to the test server's database): a short socket timeout and
+    no retries."""
+    db = int(urlparse(redis_url).path.lstrip("/") or 0)
     client = redis.Redis(
-        host=HOST, port=proxy.port, socket_timeout=0.3, retry=Retry(NoBackoff(), 0)
+        host=HOST, port=proxy.port, db=db, socket_timeout=0.3, retry=Retry(NoBackoff(), 0)
     )
     yield client
     client.close()
