@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import uuid
 from collections.abc import Iterator
 
@@ -33,3 +34,12 @@ def prefix(redis_client: redis.Redis) -> Iterator[str]:
     yield value
     for key in redis_client.scan_iter(match=f"{value}:*", count=500):
         redis_client.delete(key)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_after_each_module() -> Iterator[None]:
+    """Collect garbage as each test module ends, so that a socket or process a module leaves
+    open is reported there (``filterwarnings = error``), not in whichever test the collector
+    happens to run in next (with several test processes, a different one each time)."""
+    yield
+    gc.collect()

@@ -113,14 +113,19 @@ def test_forty_coroutines_on_limit_three_never_exceed_three_and_all_finish(redis
     assert most == 3
 
 
+async def served_in_turn(lock: AsyncLock, i: int, served: list[int]) -> None:
+    """Wait for ``lock``, note ``i`` in ``served``, give the lock back."""
+    permit = await lock.acquire(blocking=True, timeout=20)
+    assert permit is not None
+    served.append(i)
+    await lock.release(permit)
+
+
 def test_five_async_waiters_are_served_in_arrival_order(redis_url, redis_client, prefix):
     served: list[int] = []
 
     async def waiter(lock: AsyncLock, i: int) -> None:
-        permit = await lock.acquire(blocking=True, timeout=20)
-        assert permit is not None
-        served.append(i)
-        await lock.release(permit)
+        await served_in_turn(lock, i, served)
 
     async def main() -> None:
         async with async_client(redis_url) as client:
@@ -342,10 +347,7 @@ def test_sync_and_async_waiters_share_one_line_in_arrival_order(redis_url, redis
             client.close()
 
     async def async_waiter(lock: AsyncLock, i: int) -> None:
-        permit = await lock.acquire(blocking=True, timeout=20)
-        assert permit is not None
-        served.append(i)
-        await lock.release(permit)
+        await served_in_turn(lock, i, served)
 
     async def main() -> None:
         async with async_client(redis_url) as client:

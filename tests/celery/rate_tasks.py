@@ -18,7 +18,7 @@ from celery import Celery
 
 from celery_redsem import with_rate_limit, with_semaphore
 from celery_redsem.integration.waiting import read_wait
-from tests.celery.tasks import _ENTER, _EXIT
+from tests.celery.tasks import _ENTER, _EXIT, app_settings
 
 #: The stacked tasks: a semaphore of STACK_LIMIT and a rate of STACK_RATE a second with a burst
 #: of STACK_BURST (above the limit, so only the semaphore keeps a burst's runs apart), each body
@@ -48,15 +48,7 @@ def make_rate_only_app(redis_url: str, prefix: str) -> Celery:
     """An app whose only guarded task is ``r.tick`` (no semaphore anywhere), set up as
     :func:`~tests.celery.tasks.make_app` sets up its apps."""
     app = Celery("redsemtest-rate", set_as_current=False)
-    app.conf.update(
-        broker_url=redis_url,
-        result_backend=redis_url,
-        broker_transport_options={"global_keyprefix": f"{prefix}:kombu:"},
-        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
-        broker_connection_retry_on_startup=True,
-        redsem_key_prefix=prefix,
-        worker_hijack_root_logger=False,
-    )
+    app.conf.update(app_settings(redis_url, prefix))
     add_rate_tasks(app, redis_url, prefix, stacked=False)
     return app
 

@@ -51,20 +51,27 @@ def bad_key(mode: str) -> object:
     return {"none": None, "int": 5, "huge": "x" * 10_000, "braces": "a{b}", "good": "fine"}[mode]
 
 
+def app_settings(redis_url: str, prefix: str) -> dict[str, Any]:
+    """A test app's broker, results and semaphores, all on ``redis_url`` under ``prefix``."""
+    return {
+        "broker_url": redis_url,
+        "result_backend": redis_url,
+        "broker_transport_options": {"global_keyprefix": f"{prefix}:kombu:"},
+        "result_backend_transport_options": {"global_keyprefix": f"{prefix}:celery:"},
+        "broker_connection_retry_on_startup": True,
+        "redsem_key_prefix": prefix,
+        "worker_hijack_root_logger": False,
+    }
+
+
 def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     """An app on ``redis_url`` whose broker, results and semaphores all live under ``prefix``."""
     app = Celery("redsemtest", set_as_current=False)
     app.conf.update(
-        broker_url=redis_url,
-        result_backend=redis_url,
-        broker_transport_options={"global_keyprefix": f"{prefix}:kombu:"},
-        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
-        broker_connection_retry_on_startup=True,
-        redsem_key_prefix=prefix,
+        app_settings(redis_url, prefix),
         redsem_lease=1.0,
         redsem_retry_backoff=0.05,
         redsem_retry_backoff_max=0.5,
-        worker_hijack_root_logger=False,
         task_track_started=True,
     )
     app.conf.update(conf)
