@@ -74,7 +74,7 @@ class FairSemaphore(SemaphoreSpec):
         sync :meth:`celery_redsem.FairSemaphore.attempt`'s."""
         pid = self._permit_id(permit_id)
         try:
-            arg = self._acquire_arg(pid, options)
+            arg = self._acquire_arg(pid, **options)
             reply = await run_script(ACQUIRE, self.client, self._keys, [arg], self.name)
         except BackendError as exc:
             naming(exc, pid)

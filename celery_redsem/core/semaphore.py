@@ -165,9 +165,7 @@ class FairSemaphore(SemaphoreSpec):
         """
         pid = self._permit_id(permit_id)
         try:
-            arg = self._acquire_arg(
-                pid, {"join_line": join_line, "waiter_lease": waiter_lease, "back_in": back_in}
-            )
+            arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
             if self.min_replicas:
                 return self._attempt_acknowledged(pid, [arg])
             # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two
@@ -186,7 +184,7 @@ class FairSemaphore(SemaphoreSpec):
         it its own way, such as an event loop that does not wait for the reply; decode the
         reply with :meth:`attempt_reply`, reload the script on ``NOSCRIPT`` with
         :meth:`load_scripts`. Not for ``min_replicas`` (whose ``WAIT`` goes with it)."""
-        arg = self._acquire_arg(validate_permit_id(permit_id), options)
+        arg = self._acquire_arg(validate_permit_id(permit_id), **options)
         return ("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, arg)
 
     def attempt_reply(self, permit_id: str, reply: Any) -> Permit | Waiting:

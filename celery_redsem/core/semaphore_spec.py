@@ -164,11 +164,14 @@ class SemaphoreSpec:
             f"{self._mark}|"
         )
 
-    def _acquire_arg(self, pid: str, options: AttemptOptions) -> str:
+    def _acquire_arg(
+        self,
+        pid: str,
+        join_line: bool = False,
+        waiter_lease: float | None = None,
+        back_in: float = 0.0,
+    ) -> str:
         """acquire.lua's ARGV[1] for one attempt of ``pid`` (see ``attempt``)."""
-        join_line = options.get("join_line", False)
-        waiter_lease = options.get("waiter_lease")
-        back_in = options.get("back_in", 0.0)
         if waiter_lease is None and not back_in:
             return (self._settings_join if join_line else self._settings_try) + pid
         lease = self.waiter_lease if waiter_lease is None else waiter_lease

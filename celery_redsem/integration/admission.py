@@ -77,7 +77,6 @@ from celery_redsem.integration.parking import (
     longest_park,
     park_time,
     received_at,
-    slot_semaphore,
 )
 from celery_redsem.integration.rate_guard import RateGuard, rate_guards_of
 from celery_redsem.integration.standby import (
@@ -147,7 +146,6 @@ class Admission:
         self.standbys = Standbys()
         self.notices = GrantNotices()
         self._asks: Asks | None = None
-        self._usable: bool | None = None
         self._paused_until = 0.0
         self._errors_in_row = 0  # Redis errors since admission last got an answer
         #: Tasks whose key function was too slow to run here.
@@ -179,11 +177,6 @@ class Admission:
             return None
         return self._dispatch(req)
 
-    def stop(self) -> None:
-        """Give up admission's connection (asks in flight fail: their tasks go to the pool)."""
-        if self._asks is not None:
-            self._asks.close()
-
     def _stopping(self) -> bool:
         """Whether the worker is shutting down (its pool may run nothing more)."""
         for flag in (worker_state.should_stop, worker_state.should_terminate):
@@ -195,12 +188,8 @@ class Admission:
 
     def _guard_to_admit(self, req: Any) -> TaskGuard | RateGuard | None:
         """The one guard of ``req``'s task if admission decides for it, else None."""
-        if self._usable is None:
-            self._usable = slot_semaphore(self.controller) is not None
-            if not self._usable:
-                logger.debug("celery_redsem: this pool has no slot semaphore: no admission")
-        if not self._usable or time.monotonic() < self._paused_until:
-            return None
+        if self.lot.slots is None or time.monotonic() < self._paused_until:
+            return None  # (a pool without a slot semaphore: solo, threads, gevent, eventlet)
         task = getattr(req, "task", None)
         if task is None or task.name in self.slow_keys:
             return None
@@ -332,9 +321,8 @@ class Admission:
         if earlier is not None and earlier.first_ms >= 0:
             first_ms = earlier.first_ms
         else:
-            first_ms = min(
-                read_wait_of(req.request_dict).first_ms or now_ms, now_ms
-            )  # never in the future
+            first_ms = read_wait_of(req.request_dict).first_ms or now_ms
+            first_ms = min(first_ms, now_ms)  # never in the future
         tries = earlier.tries + 1 if earlier is not None else 0
         park = park_time(
             position=result.position,
@@ -398,7 +386,7 @@ class Admission:
     def _stand_by(self, asking: _Asking, position: int) -> bool:
         """Dispatch ``asking``'s request without a permit, as the standby of its semaphore, if
         it should be one (:mod:`~celery_redsem.integration.standby`)."""
-        name, semaphore = asking.sem.name, slot_semaphore(self.controller)
+        name, semaphore = asking.sem.name, self.lot.slots
         if not self.standbys.wanted(
             name,
             position=position,
@@ -429,7 +417,7 @@ class Admission:
     def _recruit(self, name: str) -> None:
         """A permit of ``name`` was just handed over here: if no standby waits for the next
         one, the first task parked on it asks now (and may become the standby)."""
-        semaphore = slot_semaphore(self.controller)
+        semaphore = self.lot.slots
         if name in self.standbys or semaphore is None or semaphore.value < 2:
             return
         first = self.parked.first_in_line(name)

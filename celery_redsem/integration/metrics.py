@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery import states
+from celery._state import get_current_task
 from celery.app.task import Context
 from celery.signals import task_postrun
 
@@ -37,7 +38,8 @@ from celery_redsem.core.lease_events import (
     remove_loss_listener,
 )
 from celery_redsem.core.permits import Permit
-from celery_redsem.integration.waiting import read_wait, server_ms
+from celery_redsem.integration.guarded import guards_on
+from celery_redsem.integration.waiting import read_wait, read_wait_of, server_ms
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -190,17 +192,10 @@ def record_grant(task_name: str, waited: float) -> None:
 
 
 def record_run_grant(
-    task_name: str,
-    permit: Permit,
-    request: Context | None,
-    started: float,
-    *,
-    handed: bool,
-    other_guards: bool,
+    task_name: str, permit: Permit, request: Context | None, started: float, *, handed: bool
 ) -> None:
     """The guard's run got ``permit`` (asked for at monotonic ``started``; ``handed``: by the
-    worker's main process, which counted it at admission; ``other_guards``: the task has
-    more than one guard, semaphore or rate limit)."""
+    worker's main process, which counted it at admission)."""
     if _metrics is None or handed:
         return
     in_worker = request is not None and not request.is_eager and not request.called_directly
@@ -210,7 +205,7 @@ def record_run_grant(
         waited = (server_ms(permit, 0) - since_ms) / 1000
     else:
         waited = time.monotonic() - started
-    if in_worker and other_guards:
+    if in_worker and _has_other_guards():
         # Another guard may still send the run back (a retry) before its body starts: count
         # this grant once the run ends, unless it ends so (see _on_postrun).
         pending = getattr(request, _PENDING, None) or ()
@@ -225,7 +220,7 @@ def record_admission_grant(req: Any, permit: Permit, first_ms: int) -> None:
     if _metrics is None:
         return
     if first_ms <= 0:
-        first_ms = read_wait(Context(req.request_dict)).first_ms
+        first_ms = read_wait_of(req.request_dict).first_ms
     waited = (server_ms(permit, 0) - first_ms) / 1000 if first_ms > 0 else 0.0
     record_grant(_task_name(req), waited)
 
@@ -264,6 +259,12 @@ def record_timeout(task_name: str) -> None:
     metrics = _metrics
     if metrics is not None:
         metrics.timeouts.labels(task_name).inc()
+
+
+def _has_other_guards() -> bool:
+    """Whether the running task has more than one guard (semaphore or rate limit)."""
+    task = get_current_task()
+    return task is not None and len(guards_on(task, object)) > 1
 
 
 def _on_postrun(task: Any = None, state: str | None = None, **_: Any) -> None:

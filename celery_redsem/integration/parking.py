@@ -176,6 +176,9 @@ class ParkedTasks:
         return max(p.position for p in parked.values())
 
 
+_UNKNOWN = object()
+
+
 class ParkingLot:
     """Parks requests in one prefork worker: each gives its pool slot back, then asks again
     first in the slot queue, on its timer or when woken.
@@ -191,6 +194,15 @@ class ParkingLot:
         self.tasks = ParkedTasks()
         self._stopping = stopping
         self._process_task = process_task
+        self._slots: Any = _UNKNOWN
+
+    @property
+    def slots(self) -> Any:
+        """The worker's slot semaphore (None: its pool has none, so nothing is parked),
+        looked up when the worker first dispatches (the pool makes it as it starts)."""
+        if self._slots is _UNKNOWN:
+            self._slots = slot_semaphore(self.controller)
+        return self._slots
 
     def park(self, parked: Parked, seconds: float) -> None:
         """Park ``parked.req`` for ``seconds`` (its slot is given back)."""
@@ -206,10 +218,9 @@ class ParkingLot:
 
     def give_back_slot(self) -> None:
         """Give back the pool slot taken for a request that does not go to the pool now."""
-        controller = self.controller
-        semaphore = slot_semaphore(controller)
+        semaphore = self.slots
         assert semaphore is not None
-        hub = getattr(controller, "hub", None)
+        hub = getattr(self.controller, "hub", None)
         if hub is not None:  # not now: release() may hand the slot to the next task at once
             hub.call_soon(semaphore.release)
         else:
@@ -230,7 +241,7 @@ class ParkingLot:
             record_unpark(parked)
             self.tasks.remove(req)  # its message will be delivered again
             return
-        semaphore = slot_semaphore(self.controller)
+        semaphore = self.slots
         assert semaphore is not None
         if semaphore.value > 0:
             semaphore.acquire(self._process_task, req)

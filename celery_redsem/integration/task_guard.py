@@ -237,14 +237,7 @@ class TaskGuard:
             if request is not None:
                 setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
             body_started = time.monotonic()
-            record_run_grant(
-                task_name,
-                permit,
-                request,
-                started,
-                handed=confirmed_at is not None,
-                other_guards=task is not None and len(guards_on(task, object)) > 1,
-            )
+            record_run_grant(task_name, permit, request, started, handed=confirmed_at is not None)
             result = self._run_body(held, args, kwargs)
         except Retry:
             retried = True  # the same task id comes back: its mark stays

@@ -12,7 +12,7 @@ import redis
 from kombu.asynchronous import Hub
 
 from celery_redsem import BackendError, FairSemaphore, Permit, Waiting
-from celery_redsem.integration.asking import Answer, PipelinedAsks, WaitingAsks, asks_for
+from celery_redsem.integration.asking import Answer, Asks, PipelinedAsks, WaitingAsks, asks_for
 from tests.servers import embedded_valkey
 
 
@@ -32,8 +32,10 @@ def run_until(hub: Hub, condition: Callable[[], bool], timeout: float) -> None:
         next(loop)
 
 
-def asker(answers: list[Answer]) -> Callable[[Answer], None]:
-    return answers.append
+def ask(asks: Asks, sem: FairSemaphore, answers: list[Answer], *permit_ids: str) -> None:
+    """Ask for each of ``permit_ids`` as a waiter that waits now; answers go to ``answers``."""
+    for permit_id in permit_ids:
+        asks.ask(sem, permit_id, waiter_lease=5.0, back_in=0.0, done=answers.append)
 
 
 def test_many_asks_in_flight_are_answered_in_order(
@@ -42,8 +44,7 @@ def test_many_asks_in_flight_are_answered_in_order(
     sem = FairSemaphore(redis_client, "pipelined", 3, prefix=prefix)
     asks = PipelinedAsks(hub, redis_client)
     answers: list[Answer] = []
-    for i in range(10):
-        asks.ask(sem, f"run-{i}", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+    ask(asks, sem, answers, *(f"run-{i}" for i in range(10)))
     assert answers == []  # nothing waits for Redis: the answers come with the event loop
     run_until(hub, lambda: len(answers) == 10, 5)
     granted = [a for a in answers if isinstance(a, Permit)]
@@ -61,11 +62,10 @@ def test_a_lost_script_is_loaded_and_the_ask_answered(
     sem = FairSemaphore(redis_client, "noscript", 1, prefix=prefix)
     asks = PipelinedAsks(hub, redis_client)
     answers: list[Answer] = []
-    asks.ask(sem, "warm", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+    ask(asks, sem, answers, "warm")
     run_until(hub, lambda: len(answers) == 1, 5)
     redis_client.script_flush()
-    asks.ask(sem, "after-flush", waiter_lease=5.0, back_in=0.0, done=asker(answers))
-    asks.ask(sem, "and-another", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+    ask(asks, sem, answers, "after-flush", "and-another")
     run_until(hub, lambda: len(answers) == 3, 5)
     assert isinstance(answers[0], Permit)
     assert all(isinstance(a, Waiting) for a in answers[1:])
@@ -83,15 +83,14 @@ def test_a_server_that_stops_answering_fails_the_asks_after_the_socket_timeout(
         answers: list[Answer] = []
         other.execute_command("CLIENT", "PAUSE", 3000, "ALL")
         started = time.monotonic()
-        asks.ask(sem, "a", waiter_lease=5.0, back_in=0.0, done=asker(answers))
-        asks.ask(sem, "b", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+        ask(asks, sem, answers, "a", "b")
         run_until(hub, lambda: len(answers) == 2, 5)
         assert time.monotonic() - started < 2.5  # the deadline, not the pause, ended them
         assert all(isinstance(a, BackendError) for a in answers)
         assert {a.permit_id for a in answers if isinstance(a, BackendError)} == {"a", "b"}
         other.execute_command("CLIENT", "UNPAUSE")
         # The next ask opens a new connection and is answered.
-        asks.ask(sem, "c", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+        ask(asks, sem, answers, "c")
         run_until(hub, lambda: len(answers) == 3, 5)
         assert isinstance(answers[2], Permit | Waiting)
         asks.close()
@@ -105,14 +104,14 @@ def test_a_connection_the_server_closes_fails_its_asks_and_the_next_one_reconnec
     sem = FairSemaphore(redis_client, "killed", 1, prefix=prefix)
     asks = PipelinedAsks(hub, redis_client)
     answers: list[Answer] = []
-    asks.ask(sem, "first", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+    ask(asks, sem, answers, "first")
     run_until(hub, lambda: len(answers) == 1, 5)
     # Kill the asks' connection (the one client named by its socket's local address).
     connection = asks._connection
     host, port = connection._sock.getsockname()[:2]
     redis_client.client_kill(f"{host}:{port}")
     run_until(hub, lambda: asks._connection is None, 5)  # noticed as the socket reads EOF
-    asks.ask(sem, "second", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+    ask(asks, sem, answers, "second")
     run_until(hub, lambda: len(answers) == 2, 5)
     assert isinstance(answers[1], Waiting)  # "first" still holds the lock
     asks.close()
@@ -131,6 +130,6 @@ def test_clients_it_does_not_suit_get_asks_that_wait(
     assert isinstance(waiting, WaitingAsks)
     answers: list[Answer] = []
     sem = FairSemaphore(own, "waiting", 1, prefix=prefix)
-    waiting.ask(sem, "x", waiter_lease=5.0, back_in=0.0, done=asker(answers))
+    ask(waiting, sem, answers, "x")
     assert len(answers) == 1  # answered before ask() returned
     assert isinstance(answers[0], Permit)
