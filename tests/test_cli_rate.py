@@ -15,9 +15,10 @@ __all__ = ["app"]  # the fixture, shared with tests/test_cli.py
 
 
 def _limiters(redis_client: redis.Redis, prefix: str) -> RateLimiter:
-    """``api:42`` at 2/s with two slots booked ahead; ``market:alice`` a semaphore and a
+    """``api:42`` at 0.2/s (slow, so that no booking passes while a slow host runs a test) with
+    two slots booked ahead; ``market:alice`` a semaphore and a
     limiter of the same name; nothing else."""
-    api = RateLimiter(redis_client, "api:42", "120/m", burst=1, prefix=prefix)
+    api = RateLimiter(redis_client, "api:42", "12/m", burst=1, prefix=prefix)
     assert api.attempt("run-1")
     for n in (2, 3):
         assert api.attempt(f"run-{n}", book=True).booked
@@ -31,7 +32,7 @@ def test_status_lists_rate_limiters(app: Celery, redis_client: redis.Redis, pref
     _limiters(redis_client, prefix)
     out = run(app, "status").output
     assert re.search(
-        r"api:42  rate limiter 2/s  burst 1  next free in 1\.[345]\d\ds  booked 2", out
+        r"api:42  rate limiter 0\.2/s  burst 1  next free in 1[45]\.\d\d\ds  booked 2", out
     )
     assert "market:alice  rate limiter 20/s  burst 3" in out
     assert "market:alice  limit 2  held 1/2" in out
@@ -40,18 +41,18 @@ def test_status_lists_rate_limiters(app: Celery, redis_client: redis.Redis, pref
     (limiter,) = data["rate_limiters"]
     assert (limiter["name"], limiter["rate"], limiter["burst"], limiter["booked"]) == (
         "api:42",
-        2.0,
+        0.2,
         1,
         2,
     )
-    assert 1.3 < limiter["next_free"] <= 1.5
+    assert 14.0 < limiter["next_free"] <= 15.0
 
 
 def test_inspect_shows_a_rate_limiter(app: Celery, redis_client: redis.Redis, prefix: str) -> None:
     _limiters(redis_client, prefix)
     result = run(app, "inspect", "api:42")  # a rate limiter only: found
     assert result.exit_code == 0, result.output
-    assert "api:42  rate limiter 2/s  burst 1" in result.output
+    assert "api:42  rate limiter 0.2/s  burst 1" in result.output
     assert f"key     {prefix}:{{api:42}}:rate  (expires in" in result.output
     assert "remembered ids 3" in result.output
     data = json.loads(run(app, "inspect", "api:42", "--json").output)

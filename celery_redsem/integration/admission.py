@@ -1,45 +1,35 @@
 """Admission at dispatch: a prefork worker gives a pool slot only to a task that has its permit.
 
 The prefork pool's main process hands a task to a child only when one of its slots is free
-(Celery's slot semaphore). Just then, for a task with one guard, :class:`Admission` asks for
-the permit (joining the FIFO line under the task run's permit id: its task id, marked for a
-run its own retry queued; see :func:`~celery_redsem.core.permit_ids.run_permit_id`). The ask
-goes out without the event loop waiting for it (:mod:`~celery_redsem.integration.asking`):
-the loop goes on fetching, dispatching and reading results, the task keeps its slot, and when
-the answer comes:
+(Celery's slot semaphore). For a task with one guard, :class:`Admission` asks for the permit
+(joining the FIFO line under the run's permit id, see
+:func:`~celery_redsem.core.permit_ids.run_permit_id`) without the event loop waiting for the
+reply (:mod:`.asking`), and for the first tasks queued for a slot before the slot frees
+(:mod:`.ahead`). Once the task holds its slot and the answer is there:
 
-* **Granted**: the task goes to the child with the permit
-  (:mod:`~celery_redsem.integration.handoff`), so the child does not ask again.
-* **Next in line**, with a spare slot: the task goes to its child as the semaphore's
-  *standby*, to wait there for the release (:mod:`~celery_redsem.integration.standby`).
-* **Not granted**: the task is *parked* in the main process, unacknowledged, and its slot goes
-  to the next task: a contended task costs no slot time and no trip through the broker
-  (:mod:`~celery_redsem.integration.parking`). Its place in line holds no free permit while
-  it is parked (``back_in``). It asks again when its turn is expected, or at once when a run
-  of the same semaphore ends here, first in the slot queue.
+* **Granted**: the task goes to the child with the permit (:mod:`.handoff`).
+* **Next in line**, with a spare slot: the task waits in its child as the semaphore's
+  *standby* for the release (:mod:`.standby`).
+* **Not granted**: the task is *parked* here, unacknowledged, and its slot goes to the next
+  task (:mod:`.parking`): no slot time, no trip through the broker. Its place holds no free
+  permit while it is away (``back_in``); it asks again when its turn is expected, or at once
+  when a run of the same semaphore ends here.
 
-A deep line costs a task O(1) round trips: one when it reaches the worker (which also tells
-Redis when the task will be back, guessed from the tasks parked here ahead of it), then one
-when it is woken or its turn is expected. A burst on one hot key is reserved by the worker
-instead of cycling through the broker, and tasks for other keys queued behind it reach a free
-slot at once. Past the parking's bounds (:data:`~celery_redsem.integration.parking.MAX_PARKED`
-seconds from delivery, half the broker's ``visibility_timeout``,
-:data:`~celery_redsem.integration.parking.MAX_PARKED_TASKS` tasks) or ``redsem_max_wait``, a
-task goes to its child, which retries it through the broker or fails it with
-:class:`~celery_redsem.AcquireTimeout`. If the worker stops or loses its broker connection,
-the broker delivers the parked messages again (a parked task from a lost connection is
-dropped here, never run twice).
-
-The key function runs here, in the event loop, before every dispatch of a guarded task; one
-too slow for that is left to the pool children from then on
+A deep line costs a task O(1) round trips, and tasks for other keys queued behind a burst
+reach a free slot at once. Past the parking's bounds
+(:data:`~celery_redsem.integration.parking.MAX_PARKED` seconds from delivery, half the
+broker's ``visibility_timeout``, :data:`~celery_redsem.integration.parking.MAX_PARKED_TASKS`
+tasks) or ``redsem_max_wait``, a task goes to its child, which retries it through the broker
+or fails it with :class:`~celery_redsem.AcquireTimeout`. If the worker stops or loses its
+broker connection, the broker delivers the parked messages again (never run twice here).
+The key function runs in the event loop; one too slow for that is left to the children
 (:class:`~celery_redsem.integration.naming.SlowKeyFunctions`).
 
-Anything unusual hands the task to the child unchanged, which then waits or retries as
-:mod:`celery_redsem.integration.retrying` describes: pools without a slot semaphore (solo,
-threads, gevent, eventlet), tasks with several guards, a key function that fails (the child
-reports it), ``min_replicas`` (its ``WAIT`` would stall the event loop), a worker that is
-shutting down (its parked tasks are left to be delivered again), and Redis errors (admission
-pauses for :data:`PAUSE_AFTER_ERROR` seconds, longer after each error in a row).
+Anything unusual hands the task to its child unchanged, which waits or retries as
+:mod:`.retrying` describes: pools without a slot semaphore (solo, threads, gevent,
+eventlet), several guards, a key function that fails, ``min_replicas`` (its ``WAIT`` would
+stall the event loop), a worker shutting down, and Redis errors (admission pauses for
+:data:`PAUSE_AFTER_ERROR` seconds, longer after each error in a row).
 ``redsem_worker_admission = False`` turns it off.
 """
 
@@ -52,13 +42,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from celery import Celery, bootsteps
-from celery.worker import state as worker_state
+from celery import Celery
 
 from celery_redsem.core.errors import BackendError
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit, Waiting
 from celery_redsem.core.semaphore import FairSemaphore
+from celery_redsem.integration.ahead import HELD_WAITING_FRESH, AskAhead
 from celery_redsem.integration.asking import Answer, Asks, WaitingAsks, asks_for
 from celery_redsem.integration.backoff import hold_times
 from celery_redsem.integration.config import RedsemConfig, get_client, get_config
@@ -68,7 +58,6 @@ from celery_redsem.integration.live_runs import LiveRuns
 from celery_redsem.integration.metrics import record_admission_grant, record_unpark
 from celery_redsem.integration.naming import SlowKeyFunctions, call_arguments
 from celery_redsem.integration.parking import (
-    MAX_PARK,
     MAX_PARKED_TASKS,
     MIN_PARK,
     Parked,
@@ -103,8 +92,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_BLUEPRINT_RUNNING: int = bootsteps.RUN  # type: ignore[attr-defined]  # (not in the stubs)
-
 #: Seconds admission hands every task straight to the pool after a Redis error, doubling
 #: with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`: a Redis that hangs (rather
 #: than refuses) costs each ask a socket timeout.
@@ -129,6 +116,9 @@ class _Asking:
     back_in: float = 0.0
     asked: float = 0.0  # monotonic time of the latest ask
     settled: bool = False
+    slotted: bool = True  # False while asked ahead of its slot (:mod:`.ahead`)
+    dropped: bool = False  # asked ahead, for a task that will not take a slot here
+    held: tuple[Callable[[_Asking, Permit | Waiting], None], Answer, float] | None = None
 
 
 class Admission:
@@ -138,7 +128,7 @@ class Admission:
         self.controller = controller
         self.app = app
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
-        self.lot = ParkingLot(controller, self._stopping, self.process_task)
+        self.lot = ParkingLot(controller, self.process_task)
         #: Parked requests, by request and by semaphore name.
         self.parked = self.lot.tasks
         #: Runs being asked for or handed to the pool with a grant.
@@ -146,7 +136,9 @@ class Admission:
         self.standbys = Standbys()
         self.notices = GrantNotices()
         self._asks: Asks | None = None
+        self.ahead: AskAhead[_Asking] = AskAhead(self._ask_ahead, self._drop_ahead)
         self._paused_until = 0.0
+        self._paused_at = 0.0  # when the latest pause began
         self._errors_in_row = 0  # Redis errors since admission last got an answer
         #: Tasks whose key function was too slow to run here.
         self.slow_keys = SlowKeyFunctions()
@@ -155,11 +147,14 @@ class Admission:
 
     def process_task(self, req: Any) -> Any:
         """Stands in for the worker's ``_process_task``: called with a slot taken for ``req``."""
+        asked_ahead = self.ahead.take(req)
         earlier = self.parked.remove(req)
         record_unpark(earlier)
         clear_grant(req.request_dict)
         clear_standby(req.request_dict)
-        if self._stopping():  # a grant now might never run here: the child asks, if it runs
+        if asked_ahead is not None and self._took_slot(asked_ahead):
+            return None  # its answer is acted on now, or when it comes
+        if self.lot.stopping():  # a grant now might never run here: the child asks, if it runs
             return self._dispatch(req)
         guard = self._guard_to_admit(req)
         if guard is None:
@@ -176,15 +171,6 @@ class Admission:
         if req in self.parked:
             return None
         return self._dispatch(req)
-
-    def _stopping(self) -> bool:
-        """Whether the worker is shutting down (its pool may run nothing more)."""
-        for flag in (worker_state.should_stop, worker_state.should_terminate):
-            if flag is not None and flag is not False:  # an exit code, 0 included
-                return True
-        blueprint = getattr(self.controller, "blueprint", None)
-        state: object = getattr(blueprint, "state", _BLUEPRINT_RUNNING)
-        return state != _BLUEPRINT_RUNNING
 
     def _guard_to_admit(self, req: Any) -> TaskGuard | RateGuard | None:
         """The one guard of ``req``'s task if admission decides for it, else None."""
@@ -206,18 +192,22 @@ class Admission:
         """Hand every task straight to the pool for a while after a Redis error."""
         pause = min(MAX_PAUSE_AFTER_ERROR, PAUSE_AFTER_ERROR * 2.0**self._errors_in_row)
         self._errors_in_row += 1
-        self._paused_until = time.monotonic() + pause
+        self._paused_at = time.monotonic()
+        self._paused_until = self._paused_at + pause
         logger.warning(
             "celery_redsem: admission paused for %.0fs after a Redis error: %s", pause, exc
         )
 
     # -- asking ---------------------------------------------------------------------------
 
-    def _ask(self, req: Any, guard: TaskGuard, earlier: Parked | None) -> bool:
+    def _ask(
+        self, req: Any, guard: TaskGuard, earlier: Parked | None, *, ahead: bool = False
+    ) -> _Asking | bool:
         """Ask for ``req``'s permit; False if its child should decide instead (dispatch it).
 
         When the answer comes, ``req`` is dispatched with the permit, parked (its slot given
-        back), or dispatched without one for its child to decide (:meth:`_answered`).
+        back), or dispatched without one for its child to decide (:meth:`_answered`); asked
+        ``ahead`` of its slot, only once it takes the slot (:meth:`_took_slot`).
         """
         task = req.task
         config = get_config(self.app)
@@ -235,12 +225,15 @@ class Admission:
             return False
         run = permit_id_of(req)
         if self.runs.runs_here(req, run):
-            self._park_copy(req, name, earlier)
+            if ahead:
+                return False  # parked as a copy when it takes its slot
+            self.lot.park_copy(req, name, earlier)
             return True
         hold = hold_times.estimate(task.name)
         longest = longest_park(self.app.conf)
         connection = getattr(self.controller.consumer, "connection", None)
         asking = _Asking(req, guard, earlier, sem, run, config, hold, longest, connection)
+        asking.slotted = not ahead
         behind = None if earlier is not None else self.parked.deepest_position(name)
         lease, back_in = first_ask(
             present_waiter_lease(config),
@@ -251,7 +244,45 @@ class Admission:
             longest=longest,
         )
         self._send(asking, lease, back_in, self._answered)
+        return asking
+
+    def _ask_ahead(self, req: Any) -> _Asking | None:
+        """Ask for the permit of ``req``, queued for a slot (:mod:`.ahead`); None if not."""
+        try:
+            guard = None if self.lot.stopping() else self._guard_to_admit(req)
+            if isinstance(guard, TaskGuard):
+                asking = self._ask(req, guard, self.parked.get(req), ahead=True)
+                return asking if isinstance(asking, _Asking) else None
+        except Exception:  # asked when it takes its slot, which reports what failed
+            logger.debug("celery_redsem: no ask ahead for %s", req, exc_info=True)
+        return None
+
+    def _took_slot(self, asking: _Asking) -> bool:
+        """``asking``'s task, asked for ahead, took its slot: act on the answer now if it
+        came (False: a "not granted" too old to act on; ask again), else when it comes."""
+        asking.slotted = True
+        if asking.held is None:
+            return True
+        then, answer, at = asking.held
+        asking.held = None
+        if isinstance(answer, Waiting) and time.monotonic() - at > HELD_WAITING_FRESH:
+            self.runs.answered(asking.run, asking.req)
+            return False
+        self._on_answer(asking, then, answer)
         return True
+
+    def _drop_ahead(self, asking: _Asking) -> None:
+        """``asking``'s task will not take a slot here: its permit, if granted, goes back."""
+        asking.dropped = True
+        if asking.held is not None:
+            self._let_go(asking, asking.held[1])
+
+    def _let_go(self, asking: _Asking, answer: Answer) -> None:
+        asking.held = None
+        asking.settled = True
+        self.runs.answered(asking.run, asking.req)
+        if isinstance(answer, Permit):
+            release_quietly(asking.sem, answer)
 
     def _send(
         self,
@@ -272,19 +303,29 @@ class Admission:
                 client = get_client(self.app)
             except Exception:  # (get_config worked: a client error is the child's to report)
                 return WaitingAsks()
-            self._asks = asks_for(getattr(self.controller, "hub", None), client)
+            hub = getattr(self.controller, "hub", None)
+            self._asks = asks_for(hub, client)
+            if hub is not None and self.lot.slots is not None:
+                self.ahead.install(hub, self.lot.slots, self.process_task)
         return self._asks
 
     def _on_answer(
         self, asking: _Asking, then: Callable[[_Asking, Permit | Waiting], None], answer: Answer
     ) -> None:
         """An answer came for ``asking``: act on it, unless the worker moved on meanwhile."""
+        if not asking.slotted:  # asked ahead: kept until its task takes a slot
+            if asking.dropped:
+                self._let_go(asking, answer)
+            else:
+                asking.held = (then, answer, time.monotonic())
+            return
         self.runs.answered(asking.run, asking.req)
         try:
             if self._gone(asking, answer):
                 return
             if isinstance(answer, BackendError):
-                self._pause(answer)
+                if asking.asked >= self._paused_at:  # (not one more of the asks it failed)
+                    self._pause(answer)
                 self._settle(asking, None)
                 return
             self._errors_in_row = 0
@@ -300,7 +341,7 @@ class Admission:
         the task came on was lost (its message will be delivered again: dropped here, its slot
         with it, as the consumer reset its slots)."""
         consumer = self.controller.consumer
-        stopping = self._stopping()
+        stopping = self.lot.stopping()
         if not stopping and getattr(consumer, "connection", None) is asking.connection:
             return False
         if isinstance(answer, Permit):
@@ -436,23 +477,7 @@ class Admission:
         wait = guard.wait_at_dispatch(self.app, req.task, req, horizon)
         self._errors_in_row = 0
         if wait:  # 0.0: admitted; None: its child decides
-            tries = earlier.tries + 1 if earlier is not None else 0
-            # Under a name no semaphore can have (names have no braces): no release wakes it.
-            self.lot.park(Parked(req, "{rate}", 0, 0, tries, None, delivered), wait)
-
-    def _park_copy(self, req: Any, name: str, earlier: Parked | None) -> None:
-        """Park a second delivery of a running task run until that run ends.
-
-        The permit is the run's, so this copy would get it too, and the first run's end
-        would release it under the second: the two would run at once, and a third task could
-        join them. Parked, it asks again when that run ends, so the copies run one after the
-        other, as at-least-once delivery does. (Parked past half the broker's visibility
-        timeout, it may be delivered once more: that copy waits its turn too.)
-        """
-        tries = earlier.tries if earlier is not None else 0  # not a try for a permit
-        first_ms = earlier.first_ms if earlier is not None else -1  # not waiting for a permit
-        delivered = received_at(req, earlier, time.monotonic())
-        self.lot.park(Parked(req, name, 0, first_ms, tries, None, delivered), MAX_PARK)
+            self.lot.park_for_rate(req, earlier, delivered, wait)
 
     # -- finished tasks wake parked ones -------------------------------------------------
 
@@ -460,13 +485,8 @@ class Admission:
         """A run of task ``ended_id`` gave back a permit of ``name`` here: the first task
         parked on it asks again, and so do copies of ``ended_id`` that waited for that run."""
         self.standbys.released(name)
-        copies = [
-            p
-            for p in self.parked.on(name)
-            if p.timer is not None and p.first_ms < 0 and permit_id_of(p.req) == ended_id
-        ]
         first = self.parked.first_in_line(name)
-        for parked in [*copies, *([first] if first is not None else [])]:
+        for parked in [*self.parked.copies_of(ended_id, name), *([first] if first else [])]:
             self.lot.wake(parked)
 
 

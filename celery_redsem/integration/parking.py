@@ -11,12 +11,20 @@ parked task's pool slot back and, on its timer or a wake-up, queues it first for
 
 from __future__ import annotations
 
+import heapq
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+from celery import bootsteps
+from celery.worker import state as worker_state
+from kombu.transport.virtual import Transport as VirtualTransport
+
+from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.integration.metrics import record_park, record_unpark
 
 __all__ = [
@@ -26,6 +34,7 @@ __all__ = [
     "MAX_PARKED",
     "MAX_PARKED_TASKS",
     "MIN_PARK",
+    "WINDOW_STEP",
     "Parked",
     "ParkedTasks",
     "ParkingLot",
@@ -34,6 +43,8 @@ __all__ = [
     "park_time",
     "received_at",
     "slot_semaphore",
+    "widen_for_parked",
+    "window_step",
 ]
 
 #: Bounds on how long a parked task waits before it asks again (the upper one while no hold
@@ -127,11 +138,22 @@ class Parked:
 
 
 class ParkedTasks:
-    """The requests parked in one worker, by request and by semaphore name."""
+    """The requests parked in one worker, by request and by semaphore name.
+
+    A line 1,000 deep is parked in one worker, and every release, dispatch and newcomer asks
+    who is first or last in it, so those answers do not walk the line: the first waiting task
+    comes off a heap (entries left by tasks resumed or gone are skipped as they surface), the
+    deepest place is kept as tasks are parked, and copies of a running run are found by its
+    permit id.
+    """
 
     def __init__(self) -> None:
         self._by_req: dict[Any, Parked] = {}
         self._by_name: dict[str, dict[Any, Parked]] = {}
+        self._heads: dict[str, list[tuple[int, int, Parked]]] = {}  # heap per name
+        self._deepest: dict[str, int] = {}  # per name; absent: to be found again
+        self._copies: dict[str, list[Parked]] = {}  # by permit id (waiting for a run)
+        self._pushed = 0  # breaks ties between equal places: the earlier parked first
 
     def __len__(self) -> int:
         return len(self._by_req)
@@ -145,17 +167,37 @@ class ParkedTasks:
 
     def add(self, parked: Parked) -> None:
         """Register ``parked`` (two deliveries of one task id are parked apart)."""
+        name = parked.name
         self._by_req[parked.req] = parked
-        self._by_name.setdefault(parked.name, {})[parked.req] = parked
+        self._by_name.setdefault(name, {})[parked.req] = parked
+        if parked.first_ms < 0:  # a copy of a running run, not in line
+            self._copies.setdefault(permit_id_of(parked.req), []).append(parked)
+            return
+        self._pushed += 1
+        heapq.heappush(self._heads.setdefault(name, []), (parked.position, self._pushed, parked))
+        if name in self._deepest:
+            self._deepest[name] = max(self._deepest[name], parked.position)
 
     def remove(self, req: Any) -> Parked | None:
         """Forget ``req``, if it was parked; how it was."""
         parked = self._by_req.pop(req, None)
-        if parked is not None:
-            same_name = self._by_name.get(parked.name, {})
-            same_name.pop(req, None)
-            if not same_name:
-                self._by_name.pop(parked.name, None)
+        if parked is None:
+            return None
+        name = parked.name
+        same_name = self._by_name.get(name, {})
+        same_name.pop(req, None)
+        if not same_name:
+            self._by_name.pop(name, None)
+            self._heads.pop(name, None)
+        if self._deepest.get(name) == parked.position:
+            self._deepest.pop(name)  # the deepest left: found again when asked
+        if parked.first_ms < 0:
+            run = permit_id_of(req)
+            copies = [p for p in self._copies.get(run, ()) if p is not parked]
+            if copies:
+                self._copies[run] = copies
+            else:
+                self._copies.pop(run, None)
         return parked
 
     def on(self, name: str) -> list[Parked]:
@@ -164,37 +206,59 @@ class ParkedTasks:
 
     def first_in_line(self, name: str) -> Parked | None:
         """The task parked on ``name`` first in its line, not resumed yet (None: none).
-        (Copies of a running task run wait for that run, not in line.)"""
-        waiting = [p for p in self.on(name) if p.timer is not None and p.first_ms >= 0]
-        return min(waiting, key=lambda p: p.position) if waiting else None
+        (Copies of a running run wait for that run, not in line.)"""
+        heap = self._heads.get(name)
+        while heap:
+            position, _, parked = heap[0]
+            live = self._by_name[name].get(parked.req) is parked
+            if live and parked.timer is not None and parked.position == position:
+                return parked
+            heapq.heappop(heap)  # resumed, gone, or parked again under another place
+            if live and parked.timer is not None:
+                self._pushed += 1  # (its newer place has its own entry, unless this was it)
+                heapq.heappush(heap, (parked.position, self._pushed, parked))
+        return None
+
+    def copies_of(self, run: str, name: str) -> list[Parked]:
+        """Copies of run ``run`` (permit id) on ``name`` parked until it ends, not resumed."""
+        return [p for p in self._copies.get(run, ()) if p.timer is not None and p.name == name]
 
     def deepest_position(self, name: str) -> int | None:
         """The last place in line known of the tasks parked on ``name`` (None: none)."""
         parked = self._by_name.get(name)
         if not parked:
             return None
-        return max(p.position for p in parked.values())
+        deepest = self._deepest.get(name)
+        if deepest is None:
+            deepest = self._deepest[name] = max(p.position for p in parked.values())
+        return deepest
 
 
 _UNKNOWN = object()
+_BLUEPRINT_RUNNING: int = bootsteps.RUN  # type: ignore[attr-defined]  # (not in the stubs)
 
 
 class ParkingLot:
     """Parks requests in one prefork worker: each gives its pool slot back, then asks again
     first in the slot queue, on its timer or when woken.
 
-    ``stopping`` says whether the worker is shutting down; ``process_task`` is what a slot is
-    taken for (admission's hook).
+    ``process_task`` is what a slot is taken for (admission's hook).
     """
 
-    def __init__(
-        self, controller: Any, stopping: Callable[[], bool], process_task: Callable[[Any], Any]
-    ) -> None:
+    def __init__(self, controller: Any, process_task: Callable[[Any], Any]) -> None:
         self.controller = controller
         self.tasks = ParkedTasks()
-        self._stopping = stopping
         self._process_task = process_task
         self._slots: Any = _UNKNOWN
+
+    def stopping(self) -> bool:
+        """Whether the worker is shutting down (its pool may run nothing more)."""
+        for flag in (worker_state.should_stop, worker_state.should_terminate):
+            if flag is not None and flag is not False:  # an exit code, 0 included
+                return True
+        blueprint = getattr(self.controller, "blueprint", None)
+        state: object = getattr(blueprint, "state", _BLUEPRINT_RUNNING)
+        return state != _BLUEPRINT_RUNNING
 
     @property
     def slots(self) -> Any:
@@ -210,11 +274,34 @@ class ParkingLot:
         consumer = controller.consumer
         parked.connection = getattr(consumer, "connection", None)
         parked.qos = consumer.qos
-        parked.qos.increment_eventually()  # as for an ETA task: keep fetching others
+        # As for an ETA task: the window widens, so the worker keeps fetching others.
+        widen_for_parked(parked.qos, 1, window_step(parked.connection))
         self.tasks.add(parked)
         record_park(parked.req)
         parked.timer = controller.timer.call_after(seconds, self.resume, (parked.req,), priority=6)
         self.give_back_slot()
+
+    def park_copy(self, req: Any, name: str, earlier: Parked | None) -> None:
+        """Park a second delivery of a task run running here until that run ends.
+
+        The permit is the run's, so this copy would get it too, and the first run's end
+        would release it under the second: the two would run at once, and a third task could
+        join them. Parked, it asks again when that run ends, so the copies run one after the
+        other, as at-least-once delivery does. (Parked past half the broker's visibility
+        timeout, it may be delivered once more: that copy waits its turn too.)
+        """
+        tries = earlier.tries if earlier is not None else 0  # not a try for a permit
+        first_ms = earlier.first_ms if earlier is not None else -1  # not waiting for a permit
+        delivered = received_at(req, earlier, time.monotonic())
+        self.park(Parked(req, name, 0, first_ms, tries, None, delivered), MAX_PARK)
+
+    def park_for_rate(
+        self, req: Any, earlier: Parked | None, delivered: float, seconds: float
+    ) -> None:
+        """Park a rate-limited task until the start booked for it, ``seconds`` from now."""
+        tries = earlier.tries + 1 if earlier is not None else 0
+        # Under a name no semaphore can have (names have no braces): no release wakes it.
+        self.park(Parked(req, "{rate}", 0, 0, tries, None, delivered), seconds)
 
     def give_back_slot(self) -> None:
         """Give back the pool slot taken for a request that does not go to the pool now."""
@@ -236,8 +323,8 @@ class ParkingLot:
         # Give back the prefetch it took from the window it was counted in, if it took one
         # (after a reconnection the consumer has a new window, which never counted it).
         if parked.qos is not None:
-            parked.qos.decrement_eventually()
-        if self._stopping() or getattr(consumer, "connection", None) is not parked.connection:
+            widen_for_parked(parked.qos, -1, window_step(parked.connection))
+        if self.stopping() or getattr(consumer, "connection", None) is not parked.connection:
             record_unpark(parked)
             self.tasks.remove(req)  # its message will be delivered again
             return
@@ -253,6 +340,45 @@ class ParkingLot:
         with suppress(Exception):
             self.controller.timer.cancel(parked.timer)
         self.resume(parked.req)
+
+
+#: On a broker that keeps the prefetch window itself (RabbitMQ), the window widens for parked
+#: tasks this many messages at a time, and narrows back a step at a time (all of the way once
+#: none is parked): each change is a ``basic.qos`` round trip in the event loop, which one
+#: change per parked task would spend on every task of a deep line. Where kombu keeps the
+#: window in the worker (Redis, SQS: no round trip), it follows the parked tasks one by one.
+WINDOW_STEP = 8
+
+_widened: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+
+
+def window_step(connection: Any) -> int:
+    """How many messages at a time the prefetch window of ``connection`` changes for parked
+    tasks: 1 on kombu's virtual transports, :data:`WINDOW_STEP` on the others."""
+    transport = getattr(connection, "transport", None)
+    return 1 if transport is None or isinstance(transport, VirtualTransport) else WINDOW_STEP
+
+
+def widen_for_parked(qos: Any, change: int, step: int) -> None:
+    """One more (``change`` 1) or one fewer (-1) task parked on the consumer's prefetch window
+    ``qos`` (a kombu ``QoS``): widen or narrow it in ``step``s, so that it holds the parked
+    tasks and as many messages beside them as before (up to ``2 * step - 2`` more)."""
+    counts = _widened.setdefault(qos, [0, 0])  # tasks parked on it, messages it was widened
+    counts[0] = parked = max(0, counts[0] + change)
+    widened = counts[1]
+    if parked > widened:
+        change = step
+    elif parked == 0 and widened:
+        change = -widened
+    elif widened - parked >= 2 * step - 1:
+        change = -step
+    else:
+        return
+    counts[1] = widened + change
+    if change > 0:
+        qos.increment_eventually(change)
+    else:
+        qos.decrement_eventually(-change)
 
 
 def slot_semaphore(controller: Any) -> Any:

@@ -17,6 +17,7 @@ time limit) the ``finally`` stops the heartbeat for the permit, then releases it
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -169,7 +170,7 @@ class TaskGuard:
         limit = self.limit if limit is None else limit
         if limit is None:
             raise ConfigurationError(f"{self!r} computes its limit per call: pass limit=")
-        return FairSemaphore(
+        return _semaphore(
             get_client(app),
             name,
             limit,
@@ -418,6 +419,12 @@ class TaskGuard:
         assert call.request is not None
         sem = self.semaphore(call.app, call.name, call.config, call.limit)
         end_duplicate(call.task, call.request, sem, other, raise_it=self.dedupe == "raise")
+
+
+#: The semaphores of this process, by client, name and settings: one is built (and checks its
+#: settings) once, not on every ask and every run. (A FairSemaphore keeps no state of its own
+#: between calls; a forked child has a client of its own, so it never finds its parent's.)
+_semaphore = functools.lru_cache(maxsize=1024)(FairSemaphore)
 
 
 def _optional(rule: Rule, value: object, what: str) -> Any:

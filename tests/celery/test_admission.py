@@ -201,7 +201,7 @@ def one_slot(
 def test_tasks_behind_a_busy_key_are_parked_and_the_tasks_behind_them_run(
     app: Celery, one_slot: OneSlot, key: str
 ) -> None:
-    # Behind a held lock every task is parked, each widening the prefetch window by one, so the
+    # Behind a held lock every task is parked, the prefetch window widening for them, so the
     # worker keeps fetching: a task queued behind them all runs at once, and none of the parked
     # ones goes back through the broker. They stand in line in the order they were sent.
     sem, blocker = blocked(app, f"locked:{key}")

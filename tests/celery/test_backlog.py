@@ -80,12 +80,18 @@ def test_a_backlog_is_parked_and_nothing_is_lost_or_run_twice_when_a_worker_is_k
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(10)
         killed_at = len(_log(app, key))
+        # Permits held when it died (they end with their 1 s leases): a task the victim's
+        # child had taken (acknowledged, as Celery does when a child accepts a task) and
+        # granted, but not yet begun, is lost with it like a body it was running. A standby
+        # holds no permit while it waits: lost, it would show here as never started.
+        held_at_kill = {h.permit_id for h in holder(app, f"counted:{key}", 3).holders()}
 
         # The dead worker's running bodies never end; every other task ends on the survivor.
         def settled() -> bool:
             events = _log(app, key)
             started, ended = set(_ids(events, "start")), set(_ids(events, "end"))
-            return len(started - ended) <= 2 and started == ids
+            lost = (started - ended) | (ids - started)
+            return len(lost) <= 2 and started | (held_at_kill & ids) >= ids
 
         try:
             wait_until(settled, 60, what="every task started, all but the dead ones ended")
@@ -102,10 +108,12 @@ def test_a_backlog_is_parked_and_nothing_is_lost_or_run_twice_when_a_worker_is_k
         assert survivor.alive()
     events = _log(app, key)
     starts = _ids(events, "start")
-    assert sorted(starts) == sorted(ids), "a task ran twice or never"
+    assert len(starts) == len(set(starts)), "a task ran twice"
+    never = ids - set(starts)
+    assert never <= held_at_kill, "a task never ran that the victim had not begun"
     assert _most_at_once(events, killed_at) <= 3
     lost_mid_body = set(starts) - set(_ids(events, "end"))
-    assert len(lost_mid_body) <= 2  # the victim's two slots at most
+    assert len(lost_mid_body | never) <= 2  # the victim's two slots at most
     # Every task that started after the kill ran to its end on the survivor and has its
     # result. (One whose body ended on the victim may have died before its result was stored.)
     after_kill = set(_ids(events[killed_at:], "start"))

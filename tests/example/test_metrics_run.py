@@ -150,6 +150,7 @@ def test_a_short_run_of_the_example_moves_every_metric(run: tuple[str, Scraper])
             assert permit is not None
             carol.release(permit)
         assert metrics.value("redsem_grants_total", task=SELL) == 0
+        metrics.reaches("redsem_grants_total", 1, task=FEED)  # (counted by its pool child)
         assert metrics.value("redsem_grants_total", task=FEED) == 1
         assert metrics.value("redsem_wait_seconds_count", task=FEED) == 1
     finally:

@@ -1,0 +1,97 @@
+"""Asking ahead: the permit of a task waiting for a pool slot is asked for before the slot frees.
+
+Admission asks for a guarded task's permit when the task takes a pool slot
+(:mod:`~celery_redsem.integration.admission`), so the ask's round trip, and the time the
+worker's event loop takes to read its answer, would be slot time in which nothing runs: on a
+busy host, several milliseconds per task. :class:`AskAhead` looks, on every turn of the event
+loop, at the first :data:`ASK_AHEAD` tasks queued for a slot and has admission send their
+asks right away. The answer is kept until the task takes its slot, and admission acts on it
+then, exactly as on the answer to an ask sent at that moment (so a task is dispatched, parked
+or made the standby only once it holds a slot).
+
+What this costs: a permit granted ahead is held for the moments until a slot frees (the first
+few tasks in the queue only, so a fraction of one run). What it keeps: nothing is asked for a
+task that will not take a slot soon, and a permit granted to a task that never takes one (the
+broker connection was lost, the worker stops: the slot queue is cleared) is released, at once
+when the event loop closes or resets, else within :data:`SWEEP_EVERY` seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import islice
+from typing import Any, Generic, TypeVar
+
+__all__ = ["ASK_AHEAD", "HELD_WAITING_FRESH", "SWEEP_EVERY", "AskAhead"]
+
+#: How many tasks at the head of the slot queue have their permits asked for ahead.
+ASK_AHEAD = 2
+#: How often (seconds) the asks of tasks gone from the slot queue are looked for.
+SWEEP_EVERY = 1.0
+#: Seconds a "not granted" answer to an ask sent ahead stays good to act on when the task
+#: takes its slot; an older one is asked again.
+HELD_WAITING_FRESH = 0.25
+
+A = TypeVar("A")
+
+
+class AskAhead(Generic[A]):
+    """Asks for the first tasks in a worker's slot queue, and keeps each ask until its task
+    takes a slot (:meth:`take`).
+
+    ``ask(req)`` sends an ask for ``req`` and returns what stands for it (None: nothing was
+    asked; the task is asked for when it takes its slot); ``drop(asked)`` gives up an ask whose
+    task will not take a slot here.
+    """
+
+    def __init__(self, ask: Callable[[Any], A | None], drop: Callable[[A], None]) -> None:
+        self._ask = ask
+        self._drop = drop
+        self._asked: dict[Any, A | None] = {}  # by request, in the order they were asked
+        self._slots: Any = None
+        self._process_task: Any = None
+        self._hub: Any = None
+
+    def install(self, hub: Any, slots: Any, process_task: Callable[[Any], Any]) -> None:
+        """Look at ``slots``' queue (a kombu ``LaxBoundedSemaphore``) for requests queued with
+        ``process_task``, on every turn of ``hub`` (idempotent)."""
+        if self._hub is hub:
+            return
+        self._hub, self._slots, self._process_task = hub, slots, process_task
+        hub.on_tick.add(self._on_tick)
+        hub.on_close.add(self._on_close)
+        hub.timer.call_repeatedly(SWEEP_EVERY, self.sweep)
+
+    def take(self, req: Any) -> A | None:
+        """The ask sent ahead for ``req``, which is taking its slot now (None: there was none)."""
+        return self._asked.pop(req, None)
+
+    def _on_tick(self) -> None:
+        slots = self._slots
+        if not slots._waiting:
+            return
+        for callback, args, _kwargs in islice(slots._waiting, ASK_AHEAD):
+            if callback != self._process_task or len(args) != 1:
+                continue
+            req = args[0]
+            if req not in self._asked:
+                self._asked[req] = None  # asked once at most, whatever the outcome
+                self._asked[req] = self._ask(req)
+
+    def sweep(self) -> None:
+        """Give up the asks of requests no longer in the slot queue (it was cleared)."""
+        if not self._asked:
+            return
+        queued = {id(args[0]) for _cb, args, _kw in self._slots._waiting if args}
+        for req in [r for r in self._asked if id(r) not in queued]:
+            asked = self._asked.pop(req)
+            if asked is not None:
+                self._drop(asked)
+
+    def _on_close(self, *_: Any) -> None:
+        """The event loop closes or resets (a lost broker connection): every queued task's
+        message will be delivered again, so every ask sent ahead is given up."""
+        asked, self._asked = self._asked, {}
+        for value in asked.values():
+            if value is not None:
+                self._drop(value)

@@ -1,0 +1,314 @@
+"""Asking ahead of the slot, the parked line's indexes and the prefetch window of parked tasks.
+
+:class:`AskAhead` is driven by a real kombu event loop and the slot semaphore Celery's prefork
+pool uses; the real-worker tests show a queued task holding its permit before its slot frees,
+and nothing lost, run twice or left held when the worker's broker connection drops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Connection
+from kombu.asynchronous import Hub
+from kombu.asynchronous.semaphore import LaxBoundedSemaphore
+from kombu.common import QoS
+
+from celery_redsem.integration.ahead import ASK_AHEAD, AskAhead
+from celery_redsem.integration.parking import (
+    WINDOW_STEP,
+    Parked,
+    ParkedTasks,
+    widen_for_parked,
+    window_step,
+)
+from tests.celery.conftest import WorkerProcess, holder
+from tests.celery.test_asking import run_until
+from tests.servers import wait_until
+
+# -- the parked line's indexes ------------------------------------------------------------------
+
+
+class _Req:
+    """A request as ParkedTasks sees one: a task id (its permit id) and nothing else."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+        self.request_dict: dict[str, Any] = {}
+
+
+def _parked(name: str, position: int, task_id: str = "", first_ms: int = 1) -> Parked:
+    req = _Req(task_id or f"{name}-{position}-{time.monotonic_ns()}")
+    return Parked(req, name, position, first_ms, 0, None, 0.0, timer=object())
+
+
+def test_the_first_in_line_and_the_deepest_follow_the_parked_tasks() -> None:
+    tasks = ParkedTasks()
+    line = [_parked("a", p) for p in (5, 2, 9, 7)]
+    for parked in line:
+        tasks.add(parked)
+    tasks.add(_parked("b", 1))
+    assert tasks.first_in_line("a") is line[1]
+    assert tasks.deepest_position("a") == 9
+    tasks.remove(line[1].req)  # the first leaves: the next takes its place
+    assert tasks.first_in_line("a") is line[0]
+    line[0].timer = None  # resumed (asking again): no longer first in line
+    assert tasks.first_in_line("a") is line[3]
+    tasks.remove(line[2].req)  # the deepest leaves
+    assert tasks.deepest_position("a") == 7
+    again = _parked("a", 3)
+    tasks.add(again)
+    assert tasks.first_in_line("a") is again
+    for parked in [line[0], line[3], again]:
+        tasks.remove(parked.req)
+    assert tasks.first_in_line("a") is None
+    assert tasks.deepest_position("a") is None
+    assert tasks.first_in_line("b") is not None
+
+
+def test_copies_of_a_running_run_are_found_by_its_permit_id_and_are_not_in_line() -> None:
+    tasks = ParkedTasks()
+    copy = _parked("a", 0, task_id="run-1", first_ms=-1)
+    other = _parked("a", 0, task_id="run-2", first_ms=-1)
+    waiting = _parked("a", 4, task_id="run-3")
+    for parked in (copy, other, waiting):
+        tasks.add(parked)
+    assert tasks.copies_of("run-1", "a") == [copy]
+    assert tasks.copies_of("run-1", "b") == []
+    assert tasks.first_in_line("a") is waiting  # copies wait for their run, not in line
+    tasks.remove(copy.req)
+    assert tasks.copies_of("run-1", "a") == []
+    assert tasks.copies_of("run-2", "a") == [other]
+
+
+# -- AskAhead on a real event loop and slot semaphore -------------------------------------------
+
+
+@pytest.fixture
+def hub() -> Iterator[Hub]:
+    loop_hub = Hub()
+    yield loop_hub
+    loop_hub.close()
+
+
+class _Recorder:
+    """What AskAhead asked for and gave up; ``asks`` says which requests get an ask."""
+
+    def __init__(self, asks: bool = True) -> None:
+        self.asks = asks
+        self.asked: list[object] = []
+        self.dropped: list[str] = []
+
+    def ask(self, req: object) -> str | None:
+        self.asked.append(req)
+        return f"ask-for-{id(req)}" if self.asks else None
+
+    def drop(self, asked: str) -> None:
+        self.dropped.append(asked)
+
+
+def turn(hub: Hub, times: int) -> None:
+    """Turn the event loop ``times`` times."""
+    loop = hub.create_loop()
+    for _ in range(times):
+        next(loop)
+
+
+def _ignore(req: object) -> None:
+    """A slot queue's callback (what process_task would be)."""
+
+
+def _queued(slots: LaxBoundedSemaphore, process_task: Any, count: int) -> list[object]:
+    """``count`` requests queued for a slot of ``slots`` (all of them taken)."""
+    while slots.value > 0:
+        slots.acquire(lambda: None)
+    reqs = [object() for _ in range(count)]
+    for req in reqs:
+        slots.acquire(process_task, req)
+    return reqs
+
+
+def test_the_first_tasks_queued_for_a_slot_are_asked_for_once_and_taken_with_it(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(2)
+    taken: list[object] = []
+    recorder = _Recorder()
+    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+
+    def process_task(req: object) -> None:
+        taken.append(ahead.take(req))
+
+    reqs = _queued(slots, process_task, 5)
+    slots.acquire(lambda req: None, object())  # not a task admission hands out: never asked
+    ahead.install(hub, slots, process_task)
+    ahead.install(hub, slots, process_task)  # once per event loop
+    run_until(hub, lambda: len(recorder.asked) >= ASK_AHEAD, 5)
+    turn(hub, 5)  # more turns of the loop ask nothing more
+    assert recorder.asked == reqs[:ASK_AHEAD]
+    slots.release()  # the first takes its slot, with its ask; the next in the queue is asked
+    assert taken == [f"ask-for-{id(reqs[0])}"]
+    run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD + 1, 5)
+    assert recorder.asked[-1] is reqs[ASK_AHEAD]
+    assert recorder.dropped == []
+
+
+def test_asks_for_tasks_gone_from_the_slot_queue_are_given_up(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+
+    def process_task(req: object) -> None:
+        ahead.take(req)
+
+    reqs = _queued(slots, process_task, 3)
+    ahead.install(hub, slots, process_task)
+    run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
+    ahead.sweep()
+    assert recorder.dropped == []  # still queued: kept
+    slots.clear()  # as the consumer does when its broker connection is lost
+    ahead.sweep()
+    assert sorted(recorder.dropped) == sorted(f"ask-for-{id(r)}" for r in reqs[:ASK_AHEAD])
+
+
+def test_every_ask_is_given_up_when_the_event_loop_resets(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+    _queued(slots, _ignore, 3)
+    ahead.install(hub, slots, _ignore)
+    run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
+    hub.reset()  # what a broker reconnection does to the worker's loop
+    assert len(recorder.dropped) == ASK_AHEAD
+
+
+def test_a_task_not_asked_for_ahead_is_not_asked_again_on_every_turn(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder(asks=False)  # e.g. not guarded, or its key function failed
+    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+    _queued(slots, _ignore, 1)
+    ahead.install(hub, slots, _ignore)
+    run_until(hub, lambda: len(recorder.asked) == 1, 5)
+    turn(hub, 5)
+    assert len(recorder.asked) == 1
+
+
+# -- real workers ---------------------------------------------------------------------------------
+
+
+def _one_slot_worker(redis_url: str, prefix: str, tmp_path: Path, queue: str) -> WorkerProcess:
+    return WorkerProcess(
+        redis_url, prefix, queue, 1, tmp_path / f"{queue}.log", "-Q", queue,
+        conf={"redsem_lease": 30.0},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_task_queued_for_the_slot_holds_its_permit_before_the_slot_frees(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    queue = f"ahead-{key}"
+    worker = _one_slot_worker(redis_url, module_prefix, tmp_path, queue)
+    try:
+        worker.wait_ready()
+        running = app.tasks["t.locked"].apply_async((f"{key}-a", 1.5), queue=queue)
+        first = holder(app, f"locked:{key}-a")
+        wait_until(first.holders, 20, what="the first task running")
+        queued = app.tasks["t.locked"].apply_async((f"{key}-b",), queue=queue)
+        second = holder(app, f"locked:{key}-b")
+        wait_until(
+            lambda: [h.permit_id for h in second.holders()] == [queued.id], 20, what="granted"
+        )
+        assert not running.ready()  # granted while the only slot was still taken
+        out = queued.get(timeout=20)
+        assert out["contention_retries"] == 0
+        assert out["retries"] == 0
+        assert running.get(timeout=20)["name"] == f"locked:{key}-a"
+        assert first.holders() == []
+        assert second.holders() == []
+    finally:
+        worker.stop()
+
+
+def _kill_broker_consumers(client: redis.Redis) -> int:
+    """Close every connection blocked in BRPOP: the workers' broker consumers."""
+    killed = 0
+    for info in client.client_list():
+        if info.get("cmd") in ("brpop", "blpop") and info.get("name") != "keep":
+            killed += int(client.client_kill_filter(_id=info["id"]))  # type: ignore[arg-type]
+    return killed
+
+
+@pytest.mark.slow
+def test_a_lost_broker_connection_loses_no_task_asked_for_ahead_and_runs_none_twice(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    queue = f"ahead-lost-{key}"
+    worker = _one_slot_worker(redis_url, module_prefix, tmp_path, queue)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        worker.wait_ready()
+        running = app.tasks["t.locked"].apply_async((f"{key}-a", 1.5), queue=queue)
+        wait_until(lambda: holder(app, f"locked:{key}-a").holders(), 20, what="running")
+        queued = [app.tasks["t.locked"].apply_async((f"{key}-{n}",), queue=queue) for n in range(3)]
+        ahead = holder(app, f"locked:{key}-0")
+        wait_until(ahead.holders, 20, what="asked ahead")
+        [granted_ahead] = ahead.holders()
+        assert granted_ahead.permit_id == queued[0].id
+        wait_until(lambda: _kill_broker_consumers(client) > 0, 10, what="a consumer to close")
+        outs = [result.get(timeout=30) for result in [running, *queued]]
+        assert [out["name"] for out in outs] == [f"locked:{key}-{n}" for n in ("a", 0, 1, 2)]
+        # The grant made ahead was given back with the lost connection (not kept for its
+        # 30 s lease): the task, delivered again, ran under a grant of its own.
+        assert outs[1]["token"] != granted_ahead.token
+        for n in ("a", 0, 1, 2):  # each ran, with no permit left behind
+            assert holder(app, f"locked:{key}-{n}").holders() == []
+        prefix = app.conf.redsem_key_prefix
+        for n, result in zip(("a", 0, 1, 2), [running, *queued], strict=True):
+            log = client.lrange(f"{prefix}:t:log:{key}-{n}", 0, -1)
+            assert log == [f"start {result.id}".encode(), f"end {result.id}".encode()]
+    finally:
+        client.close()
+        worker.stop()
+
+
+# -- the prefetch window of parked tasks ----------------------------------------------------------
+
+
+def test_the_window_follows_parked_tasks_one_by_one_where_kombu_keeps_it() -> None:
+    redis_broker = Connection("redis://127.0.0.1:1/0")  # (never connected)
+    rabbitmq = Connection("amqp://guest:guest@127.0.0.1:1//")
+    assert window_step(redis_broker) == 1
+    assert window_step(rabbitmq) == WINDOW_STEP
+    qos = QoS(lambda prefetch_count: None, 16)
+    for change, value in ((1, 17), (1, 18), (-1, 17), (-1, 16)):
+        widen_for_parked(qos, change, 1)
+        assert qos.value == value
+
+
+def test_the_prefetch_window_widens_for_parked_tasks_in_steps_and_narrows_back() -> None:
+    sent: list[int] = []
+
+    def set_prefetch_count(prefetch_count: int) -> None:  # what the consumer tells the broker
+        sent.append(prefetch_count)
+
+    qos = QoS(set_prefetch_count, 16)
+    qos.update()
+    for _ in range(20):  # 20 tasks parked, one after the other
+        widen_for_parked(qos, 1, WINDOW_STEP)
+        qos.update()  # as the worker's event loop does on every turn
+    assert qos.value >= 16 + 20  # room for every parked task beside the 16 it had
+    assert qos.value <= 16 + 20 + WINDOW_STEP
+    assert len(sent) == 1 + 3  # three changes told to the broker, not twenty
+    for _ in range(19):
+        widen_for_parked(qos, -1, WINDOW_STEP)
+        qos.update()
+    assert 16 + 1 <= qos.value <= 16 + 1 + 2 * WINDOW_STEP
+    widen_for_parked(qos, -1, WINDOW_STEP)  # the last one resumes: the window is as it was
+    qos.update()
+    assert qos.value == 16
+    assert len(sent) < 1 + 3 + 5
