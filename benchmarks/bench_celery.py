@@ -120,8 +120,11 @@ def make_app(
     app.conf.update(settings or {})
     clients: dict[int, redis.Redis] = {}
 
-    def client() -> redis.Redis:
-        return clients.setdefault(os.getpid(), redis.Redis.from_url(url))
+    def client() -> redis.Redis:  # (one per process: a forked pool child makes its own)
+        pid = os.getpid()
+        if pid not in clients:
+            clients[pid] = redis.Redis.from_url(url)
+        return clients[pid]
 
     def body(mode: str, tag: str, key: str, sent: float, seconds: float, request: Any) -> None:
         start = time.time()
