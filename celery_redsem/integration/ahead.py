@@ -70,7 +70,7 @@ class AskAhead(Generic[A]):
         slots = self._slots
         if not slots._waiting:
             return
-        for callback, args, _kwargs in islice(slots._waiting, ASK_AHEAD):
+        for callback, args, _kwargs in list(islice(slots._waiting, ASK_AHEAD)):
             if callback != self._process_task or len(args) != 1:
                 continue
             req = args[0]
