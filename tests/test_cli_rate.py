@@ -15,14 +15,14 @@ __all__ = ["app"]  # the fixture, shared with tests/test_cli.py
 
 
 def _limiters(redis_client: redis.Redis, prefix: str) -> RateLimiter:
-    """``api:42`` at 0.2/s (slow, so that no booking passes while a slow host runs a test) with
-    two slots booked ahead; ``market:alice`` a semaphore and a
+    """``api:42`` at 0.2/s with two slots booked ahead (slow limiters: nothing expires or passes
+    while a slow host runs a test); ``market:alice`` a semaphore and a
     limiter of the same name; nothing else."""
     api = RateLimiter(redis_client, "api:42", "12/m", burst=1, prefix=prefix)
     assert api.attempt("run-1")
     for n in (2, 3):
         assert api.attempt(f"run-{n}", book=True).booked
-    market = RateLimiter(redis_client, "market:alice", "20/s", burst=3, prefix=prefix)
+    market = RateLimiter(redis_client, "market:alice", "12/m", burst=3, prefix=prefix)
     assert market.attempt("buy-1")
     assert FairSemaphore(redis_client, "market:alice", 2, prefix=prefix).acquire(permit_id="b")
     return api
@@ -34,7 +34,7 @@ def test_status_lists_rate_limiters(app: Celery, redis_client: redis.Redis, pref
     assert re.search(
         r"api:42  rate limiter 0\.2/s  burst 1  next free in 1[45]\.\d\d\ds  booked 2", out
     )
-    assert "market:alice  rate limiter 20/s  burst 3" in out
+    assert "market:alice  rate limiter 0.2/s  burst 3" in out
     assert "market:alice  limit 2  held 1/2" in out
     data = json.loads(run(app, "status", "--pattern", "api:*", "--json").output)
     assert data["semaphores"] == []
@@ -62,7 +62,7 @@ def test_inspect_shows_a_rate_limiter(app: Celery, redis_client: redis.Redis, pr
     assert all(ttl > 0 for ttl in data["key_ttls_ms"].values())
     both = run(app, "inspect", "market:alice").output
     assert "market:alice  limit 2  held 1/2" in both
-    assert "market:alice  rate limiter 20/s  burst 3" in both
+    assert "market:alice  rate limiter 0.2/s  burst 3" in both
     missing = run(app, "inspect", "api:43", "--json")
     assert missing.exit_code == 1
     assert json.loads(missing.stdout)["rate_limiter"] is None

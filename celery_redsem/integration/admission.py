@@ -129,10 +129,8 @@ class Admission:
         self.app = app
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
         self.lot = ParkingLot(controller, self.process_task)
-        #: Parked requests, by request and by semaphore name.
-        self.parked = self.lot.tasks
-        #: Runs being asked for or handed to the pool with a grant.
-        self.runs = LiveRuns(on_end=self._wake_one)
+        self.parked = self.lot.tasks  # parked requests, by request and by semaphore name
+        self.runs = LiveRuns(on_end=self._wake_one)  # runs asked for or handed over here
         self.standbys = Standbys()
         self.notices = GrantNotices()
         self._asks: Asks | None = None
@@ -140,8 +138,7 @@ class Admission:
         self._paused_until = 0.0
         self._paused_at = 0.0  # when the latest pause began
         self._errors_in_row = 0  # Redis errors since admission last got an answer
-        #: Tasks whose key function was too slow to run here.
-        self.slow_keys = SlowKeyFunctions()
+        self.slow_keys = SlowKeyFunctions()  # tasks whose key function is too slow for here
 
     # -- the hook -------------------------------------------------------------------------
 
@@ -243,19 +240,22 @@ class Admission:
             hold=hold,
             longest=longest,
         )
+        if ahead:
+            if not back_in:  # away until its slot: its place holds no free permit meanwhile
+                back_in = HELD_WAITING_FRESH
+                lease = back_in + config.waiter_margin
+            self.ahead.sent(req, asking)
         self._send(asking, lease, back_in, self._answered)
         return asking
 
-    def _ask_ahead(self, req: Any) -> _Asking | None:
-        """Ask for the permit of ``req``, queued for a slot (:mod:`.ahead`); None if not."""
+    def _ask_ahead(self, req: Any) -> None:
+        """Ask for the permit of ``req``, queued for a slot (:mod:`.ahead`), if it should be."""
         try:
             guard = None if self.lot.stopping() else self._guard_to_admit(req)
             if isinstance(guard, TaskGuard):
-                asking = self._ask(req, guard, self.parked.get(req), ahead=True)
-                return asking if isinstance(asking, _Asking) else None
+                self._ask(req, guard, self.parked.get(req), ahead=True)
         except Exception:  # asked when it takes its slot, which reports what failed
             logger.debug("celery_redsem: no ask ahead for %s", req, exc_info=True)
-        return None
 
     def _took_slot(self, asking: _Asking) -> bool:
         """``asking``'s task, asked for ahead, took its slot: act on the answer now if it
@@ -277,12 +277,12 @@ class Admission:
         if asking.held is not None:
             self._let_go(asking, asking.held[1])
 
-    def _let_go(self, asking: _Asking, answer: Answer) -> None:
+    def _let_go(self, asking: _Asking, answer: Answer) -> None:  # (of an ask made ahead)
         asking.held = None
         asking.settled = True
         self.runs.answered(asking.run, asking.req)
-        if isinstance(answer, Permit):
-            release_quietly(asking.sem, answer)
+        if isinstance(answer, Permit) and not self.runs.handed_here(asking.run):
+            release_quietly(asking.sem, answer)  # (never the permit of a run going on here)
 
     def _send(
         self,

@@ -19,7 +19,6 @@ when the event loop closes or resets, else within :data:`SWEEP_EVERY` seconds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import islice
 from typing import Any, Generic, TypeVar
 
 __all__ = ["ASK_AHEAD", "HELD_WAITING_FRESH", "SWEEP_EVERY", "AskAhead"]
@@ -39,12 +38,12 @@ class AskAhead(Generic[A]):
     """Asks for the first tasks in a worker's slot queue, and keeps each ask until its task
     takes a slot (:meth:`take`).
 
-    ``ask(req)`` sends an ask for ``req`` and returns what stands for it (None: nothing was
-    asked; the task is asked for when it takes its slot); ``drop(asked)`` gives up an ask whose
-    task will not take a slot here.
+    ``ask(req)`` sends an ask for ``req``, calling :meth:`sent` with what stands for it just
+    before it sends (or does not: the task is asked for when it takes its slot);
+    ``drop(asked)`` gives up an ask whose task will not take a slot here.
     """
 
-    def __init__(self, ask: Callable[[Any], A | None], drop: Callable[[A], None]) -> None:
+    def __init__(self, ask: Callable[[Any], object], drop: Callable[[A], None]) -> None:
         self._ask = ask
         self._drop = drop
         self._asked: dict[Any, A | None] = {}  # by request, in the order they were asked
@@ -66,17 +65,29 @@ class AskAhead(Generic[A]):
         """The ask sent ahead for ``req``, which is taking its slot now (None: there was none)."""
         return self._asked.pop(req, None)
 
+    def sent(self, req: Any, asked: A) -> None:
+        """``ask`` is about to send ``asked`` for ``req``: from now on the task takes it with
+        its slot, even if the slot comes before ``ask`` returns (an answer called back at once
+        can free a slot, and the queue hands it over there and then)."""
+        if req in self._asked:
+            self._asked[req] = asked
+
     def _on_tick(self) -> None:
-        slots = self._slots
-        if not slots._waiting:
-            return
-        for callback, args, _kwargs in list(islice(slots._waiting, ASK_AHEAD)):
-            if callback != self._process_task or len(args) != 1:
-                continue
-            req = args[0]
-            if req not in self._asked:
-                self._asked[req] = None  # asked once at most, whatever the outcome
-                self._asked[req] = self._ask(req)
+        for _ in range(ASK_AHEAD):  # (the queue is read afresh each time: an ask may move it)
+            req = self._next_to_ask()
+            if req is None:
+                return
+            self._asked[req] = None  # asked once at most, whatever the outcome
+            self._ask(req)  # (calls sent() before it sends)
+
+    def _next_to_ask(self) -> Any:
+        """The first of the first :data:`ASK_AHEAD` tasks in the slot queue not asked for yet."""
+        waiting = self._slots._waiting
+        for i in range(min(ASK_AHEAD, len(waiting))):
+            callback, args, _kwargs = waiting[i]
+            if callback == self._process_task and len(args) == 1 and args[0] not in self._asked:
+                return args[0]
+        return None
 
     def sweep(self) -> None:
         """Give up the asks of requests no longer in the slot queue (it was cleared)."""

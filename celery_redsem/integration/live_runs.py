@@ -61,6 +61,10 @@ class LiveRuns:
             for r in list(worker_state.active_requests)
         )
 
+    def handed_here(self, run: str) -> bool:
+        """Whether a delivery of run ``run`` went to the pool here with a grant, not ended."""
+        return any(_not_ended(r) for r in self._handed.get(run, ()))
+
     def handed(
         self, req: Any, name: str, *, learn: bool = True, then: Callable[[], None] | None = None
     ) -> None:

@@ -189,6 +189,15 @@ class ParkedTasks:
         if not same_name:
             self._by_name.pop(name, None)
             self._heads.pop(name, None)
+        elif len(self._heads.get(name, ())) > 2 * len(same_name) + 16:
+            # Mostly entries of tasks gone or parked again: keep only the live ones.
+            live = []
+            for kept in same_name.values():
+                if kept.first_ms >= 0:
+                    self._pushed += 1
+                    live.append((kept.position, self._pushed, kept))
+            heapq.heapify(live)
+            self._heads[name] = live
         if self._deepest.get(name) == parked.position:
             self._deepest.pop(name)  # the deepest left: found again when asked
         if parked.first_ms < 0:
@@ -374,11 +383,12 @@ def widen_for_parked(qos: Any, change: int, step: int) -> None:
         change = -step
     else:
         return
-    counts[1] = widened + change
+    before = qos.value
     if change > 0:
-        qos.increment_eventually(change)
+        qos.increment_eventually(change)  # (kombu caps it at the worker's eta task limit)
     else:
-        qos.decrement_eventually(-change)
+        qos.decrement_eventually(-change)  # (and never below 1)
+    counts[1] = widened + (qos.value - before if before else change)
 
 
 def slot_semaphore(controller: Any) -> Any:

@@ -98,16 +98,27 @@ def hub() -> Iterator[Hub]:
 
 
 class _Recorder:
-    """What AskAhead asked for and gave up; ``asks`` says which requests get an ask."""
+    """What AskAhead asked for and gave up; ``asks`` says which requests get an ask (made as
+    admission makes one: told to AskAhead just before it is sent, then ``then`` runs, as an
+    answer called back at once would)."""
 
     def __init__(self, asks: bool = True) -> None:
         self.asks = asks
         self.asked: list[object] = []
         self.dropped: list[str] = []
+        self.ahead: AskAhead[str] | None = None
+        self.then: Any = None
 
-    def ask(self, req: object) -> str | None:
+    def make(self) -> AskAhead[str]:
+        self.ahead = AskAhead(self.ask, self.drop)
+        return self.ahead
+
+    def ask(self, req: object) -> None:
         self.asked.append(req)
-        return f"ask-for-{id(req)}" if self.asks else None
+        if self.asks and self.ahead is not None:
+            self.ahead.sent(req, f"ask-for-{id(req)}")
+            if self.then is not None:
+                self.then()
 
     def drop(self, asked: str) -> None:
         self.dropped.append(asked)
@@ -138,7 +149,7 @@ def test_the_first_tasks_queued_for_a_slot_are_asked_for_once_and_taken_with_it(
     slots = LaxBoundedSemaphore(2)
     taken: list[object] = []
     recorder = _Recorder()
-    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+    ahead = recorder.make()
 
     def process_task(req: object) -> None:
         taken.append(ahead.take(req))
@@ -157,10 +168,37 @@ def test_the_first_tasks_queued_for_a_slot_are_asked_for_once_and_taken_with_it(
     assert recorder.dropped == []
 
 
+def test_a_task_that_takes_its_slot_while_it_is_being_asked_for_takes_the_ask(hub: Hub) -> None:
+    # An answer called back at once (a broken connection fails every ask in flight) can free
+    # a slot, and the queue hands it to the task being asked for before the ask returns.
+    slots = LaxBoundedSemaphore(1)
+    taken: list[object] = []
+    recorder = _Recorder()
+    ahead = recorder.make()
+
+    def process_task(req: object) -> None:
+        taken.append(ahead.take(req))
+
+    reqs = _queued(slots, process_task, 3)
+
+    def free_the_slot_once() -> None:
+        recorder.then = None
+        slots.release()
+
+    recorder.then = free_the_slot_once  # the first ask frees the slot as it is sent
+    ahead.install(hub, slots, process_task)
+    run_until(hub, lambda: len(recorder.asked) >= 1, 5)
+    assert taken == [f"ask-for-{id(reqs[0])}"]  # taken with its slot, not asked for again
+    run_until(hub, lambda: len(recorder.asked) == 3, 5)  # the queue as it is now: 2nd, 3rd
+    assert recorder.asked == reqs
+    ahead.sweep()
+    assert recorder.dropped == []  # nothing left behind for the task that took its slot
+
+
 def test_asks_for_tasks_gone_from_the_slot_queue_are_given_up(hub: Hub) -> None:
     slots = LaxBoundedSemaphore(1)
     recorder = _Recorder()
-    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+    ahead = recorder.make()
 
     def process_task(req: object) -> None:
         ahead.take(req)
@@ -178,7 +216,7 @@ def test_asks_for_tasks_gone_from_the_slot_queue_are_given_up(hub: Hub) -> None:
 def test_every_ask_is_given_up_when_the_event_loop_resets(hub: Hub) -> None:
     slots = LaxBoundedSemaphore(1)
     recorder = _Recorder()
-    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+    ahead = recorder.make()
     _queued(slots, _ignore, 3)
     ahead.install(hub, slots, _ignore)
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
@@ -189,7 +227,7 @@ def test_every_ask_is_given_up_when_the_event_loop_resets(hub: Hub) -> None:
 def test_a_task_not_asked_for_ahead_is_not_asked_again_on_every_turn(hub: Hub) -> None:
     slots = LaxBoundedSemaphore(1)
     recorder = _Recorder(asks=False)  # e.g. not guarded, or its key function failed
-    ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)
+    ahead = recorder.make()
     _queued(slots, _ignore, 1)
     ahead.install(hub, slots, _ignore)
     run_until(hub, lambda: len(recorder.asked) == 1, 5)
@@ -312,3 +350,26 @@ def test_the_prefetch_window_widens_for_parked_tasks_in_steps_and_narrows_back()
     qos.update()
     assert qos.value == 16
     assert len(sent) < 1 + 3 + 5
+
+
+def test_the_line_index_stays_small_however_often_tasks_park_again() -> None:
+    tasks = ParkedTasks()
+    stays = _parked("a", 1)
+    tasks.add(stays)
+    for _ in range(2_000):  # one task parked and resumed again and again beside it
+        again = _parked("a", 5)
+        tasks.add(again)
+        tasks.remove(again.req)
+    assert len(tasks._heads["a"]) <= 2 * 1 + 16 + 1
+    assert tasks.first_in_line("a") is stays
+
+
+def test_the_window_comes_back_to_its_size_when_kombu_caps_it() -> None:
+    # With worker_eta_task_limit kombu caps the window: a widening may apply only in part.
+    qos = QoS(lambda prefetch_count: None, 4, max_prefetch=6)
+    for _ in range(3):
+        widen_for_parked(qos, 1, WINDOW_STEP)
+    assert qos.value == 6
+    for _ in range(3):
+        widen_for_parked(qos, -1, WINDOW_STEP)
+    assert qos.value == 4
