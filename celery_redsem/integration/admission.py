@@ -265,8 +265,9 @@ class Admission:
             return True
         then, answer, at = asking.held
         asking.held = None
-        if isinstance(answer, Waiting) and time.monotonic() - at > HELD_WAITING_FRESH:
-            self.runs.answered(asking.run, asking.req)
+        age = time.monotonic() - at
+        if age > (HELD_WAITING_FRESH if isinstance(answer, Waiting) else asking.sem.lease / 3):
+            self.runs.answered(asking.run, asking.req)  # (asked again: a grant is renewed)
             return False
         self._on_answer(asking, then, answer)
         return True

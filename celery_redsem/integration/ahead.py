@@ -9,24 +9,40 @@ asks right away. The answer is kept until the task takes its slot, and admission
 then, exactly as on the answer to an ask sent at that moment (so a task is dispatched, parked
 or made the standby only once it holds a slot).
 
-What this costs: a permit granted ahead is held for the moments until a slot frees (the first
-few tasks in the queue only, so a fraction of one run). What it keeps: nothing is asked for a
-task that will not take a slot soon, and a permit granted to a task that never takes one (the
-broker connection was lost, the worker stops: the slot queue is cleared) is released, at once
-when the event loop closes or resets, else within :data:`SWEEP_EVERY` seconds.
+What this costs: a permit granted ahead is held for the moments until a slot frees. So it is
+asked for only while slots turn over quickly (one handed out within the last
+:data:`SLOT_SOON` seconds, and about every ``SLOT_SOON / ASK_AHEAD`` seconds of late), and
+only for the first tasks in the queue. A grant still waiting for its slot after
+:data:`HELD_FOR_AT_MOST` seconds is given back (a worker whose slots are held by long runs
+keeps no permit idle), and so is a grant to a task that will not take a slot here (the broker
+connection was lost, the worker stops: the slot queue is cleared): at once when the event
+loop closes or resets, else within :data:`SWEEP_EVERY` seconds.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ASK_AHEAD", "HELD_WAITING_FRESH", "SWEEP_EVERY", "AskAhead"]
+__all__ = [
+    "ASK_AHEAD",
+    "HELD_FOR_AT_MOST",
+    "HELD_WAITING_FRESH",
+    "SLOT_SOON",
+    "SWEEP_EVERY",
+    "AskAhead",
+]
 
 #: How many tasks at the head of the slot queue have their permits asked for ahead.
 ASK_AHEAD = 2
-#: How often (seconds) the asks of tasks gone from the slot queue are looked for.
-SWEEP_EVERY = 1.0
+#: Asks go out ahead only while the worker hands out pool slots about this often (seconds).
+SLOT_SOON = 0.25
+#: How often (seconds) asks of tasks gone from the slot queue, or kept too long, are looked for.
+SWEEP_EVERY = 0.25
+#: Seconds an answer to an ask sent ahead is kept for a task still waiting for its slot.
+HELD_FOR_AT_MOST = 0.5
 #: Seconds a "not granted" answer to an ask sent ahead stays good to act on when the task
 #: takes its slot; an older one is asked again.
 HELD_WAITING_FRESH = 0.25
@@ -40,16 +56,26 @@ class AskAhead(Generic[A]):
 
     ``ask(req)`` sends an ask for ``req``, calling :meth:`sent` with what stands for it just
     before it sends (or does not: the task is asked for when it takes its slot);
-    ``drop(asked)`` gives up an ask whose task will not take a slot here.
+    ``drop(asked)`` gives up an ask whose task will not take a slot here, or not within
+    ``held_for_at_most`` seconds.
     """
 
-    def __init__(self, ask: Callable[[Any], object], drop: Callable[[A], None]) -> None:
+    def __init__(
+        self,
+        ask: Callable[[Any], object],
+        drop: Callable[[A], None],
+        held_for_at_most: float = HELD_FOR_AT_MOST,
+    ) -> None:
         self._ask = ask
         self._drop = drop
         self._asked: dict[Any, A | None] = {}  # by request, in the order they were asked
         self._slots: Any = None
         self._process_task: Any = None
         self._hub: Any = None
+        self._asked_at: dict[Any, float] = {}
+        self._held_for_at_most = held_for_at_most
+        self._handed_at = 0.0  # when the latest slot was handed out (monotonic)
+        self._gap = math.inf  # the average time between two slots handed out
 
     def install(self, hub: Any, slots: Any, process_task: Callable[[Any], Any]) -> None:
         """Look at ``slots``' queue (a kombu ``LaxBoundedSemaphore``) for requests queued with
@@ -63,7 +89,17 @@ class AskAhead(Generic[A]):
 
     def take(self, req: Any) -> A | None:
         """The ask sent ahead for ``req``, which is taking its slot now (None: there was none)."""
+        now = time.monotonic()
+        if self._handed_at:
+            gap = now - self._handed_at
+            self._gap = gap if math.isinf(self._gap) else 0.8 * self._gap + 0.2 * gap
+        self._handed_at = now
+        self._asked_at.pop(req, None)
         return self._asked.pop(req, None)
+
+    def _slots_free_soon(self) -> bool:
+        """Whether pool slots are being handed out often enough to ask ahead."""
+        return time.monotonic() - self._handed_at < SLOT_SOON and self._gap * ASK_AHEAD < SLOT_SOON
 
     def sent(self, req: Any, asked: A) -> None:
         """``ask`` is about to send ``asked`` for ``req``: from now on the task takes it with
@@ -73,11 +109,14 @@ class AskAhead(Generic[A]):
             self._asked[req] = asked
 
     def _on_tick(self) -> None:
+        if not self._slots._waiting or not self._slots_free_soon():
+            return
         for _ in range(ASK_AHEAD):  # (the queue is read afresh each time: an ask may move it)
             req = self._next_to_ask()
             if req is None:
                 return
             self._asked[req] = None  # asked once at most, whatever the outcome
+            self._asked_at[req] = time.monotonic()
             self._ask(req)  # (calls sent() before it sends)
 
     def _next_to_ask(self) -> Any:
@@ -90,12 +129,18 @@ class AskAhead(Generic[A]):
         return None
 
     def sweep(self) -> None:
-        """Give up the asks of requests no longer in the slot queue (it was cleared)."""
+        """Give up the asks of requests no longer in the slot queue (it was cleared), and
+        those kept for longer than :data:`HELD_FOR_AT_MOST` (asked again when slots free
+        soon)."""
         if not self._asked:
             return
         queued = {id(args[0]) for _cb, args, _kw in self._slots._waiting if args}
-        for req in [r for r in self._asked if id(r) not in queued]:
+        too_old = time.monotonic() - self._held_for_at_most
+        for req in list(self._asked):
+            if id(req) in queued and self._asked_at.get(req, 0.0) > too_old:
+                continue
             asked = self._asked.pop(req)
+            self._asked_at.pop(req, None)
             if asked is not None:
                 self._drop(asked)
 
@@ -103,6 +148,7 @@ class AskAhead(Generic[A]):
         """The event loop closes or resets (a lost broker connection): every queued task's
         message will be delivered again, so every ask sent ahead is given up."""
         asked, self._asked = self._asked, {}
+        self._asked_at.clear()
         for value in asked.values():
             if value is not None:
                 self._drop(value)
