@@ -258,15 +258,14 @@ class Admission:
             logger.debug("celery_redsem: no ask ahead for %s", req, exc_info=True)
 
     def _took_slot(self, asking: _Asking) -> bool:
-        """``asking``'s task, asked for ahead, took its slot: act on the answer now if it
-        came (False: a "not granted" too old to act on; ask again), else when it comes."""
+        """``asking``'s task, asked for ahead, took its slot: act on the answer now if it came
+        (False: too old to act on, ask again), else when it comes."""
         asking.slotted = True
         if asking.held is None:
             return True
-        then, answer, at = asking.held
-        asking.held = None
-        age = time.monotonic() - at
-        if age > (HELD_WAITING_FRESH if isinstance(answer, Waiting) else asking.sem.lease / 3):
+        (then, answer, at), asking.held = asking.held, None
+        fresh = HELD_WAITING_FRESH if isinstance(answer, Waiting) else asking.sem.lease / 3
+        if time.monotonic() - at > fresh:
             self.runs.answered(asking.run, asking.req)  # (asked again: a grant is renewed)
             return False
         self._on_answer(asking, then, answer)
