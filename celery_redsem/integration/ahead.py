@@ -68,11 +68,11 @@ class AskAhead(Generic[A]):
     ) -> None:
         self._ask = ask
         self._drop = drop
-        self._asked: dict[Any, A | None] = {}  # by request, in the order they were asked
+        #: By request: when it was asked for, and the ask (None: none was sent).
+        self._asked: dict[Any, tuple[float, A | None]] = {}
         self._slots: Any = None
         self._process_task: Any = None
         self._hub: Any = None
-        self._asked_at: dict[Any, float] = {}
         self._held_for_at_most = held_for_at_most
         self._handed_at = 0.0  # when the latest slot was handed out (monotonic)
         self._gap = math.inf  # the average time between two slots handed out
@@ -94,8 +94,7 @@ class AskAhead(Generic[A]):
             gap = now - self._handed_at
             self._gap = gap if math.isinf(self._gap) else 0.8 * self._gap + 0.2 * gap
         self._handed_at = now
-        self._asked_at.pop(req, None)
-        return self._asked.pop(req, None)
+        return self._asked.pop(req, (now, None))[1]
 
     def _slots_free_soon(self) -> bool:
         """Whether pool slots are being handed out often enough to ask ahead."""
@@ -106,7 +105,7 @@ class AskAhead(Generic[A]):
         its slot, even if the slot comes before ``ask`` returns (an answer called back at once
         can free a slot, and the queue hands it over there and then)."""
         if req in self._asked:
-            self._asked[req] = asked
+            self._asked[req] = (self._asked[req][0], asked)
 
     def _on_tick(self) -> None:
         if not self._slots._waiting or not self._slots_free_soon():
@@ -115,8 +114,7 @@ class AskAhead(Generic[A]):
             req = self._next_to_ask()
             if req is None:
                 return
-            self._asked[req] = None  # asked once at most, whatever the outcome
-            self._asked_at[req] = time.monotonic()
+            self._asked[req] = (time.monotonic(), None)  # asked once at most, whatever the outcome
             self._ask(req)  # (calls sent() before it sends)
 
     def _next_to_ask(self) -> Any:
@@ -136,11 +134,10 @@ class AskAhead(Generic[A]):
             return
         queued = {id(args[0]) for _cb, args, _kw in self._slots._waiting if args}
         too_old = time.monotonic() - self._held_for_at_most
-        for req in list(self._asked):
-            if id(req) in queued and self._asked_at.get(req, 0.0) > too_old:
+        for req, (asked_at, asked) in list(self._asked.items()):
+            if id(req) in queued and asked_at > too_old:
                 continue
-            asked = self._asked.pop(req)
-            self._asked_at.pop(req, None)
+            del self._asked[req]
             if asked is not None:
                 self._drop(asked)
 
@@ -148,7 +145,6 @@ class AskAhead(Generic[A]):
         """The event loop closes or resets (a lost broker connection): every queued task's
         message will be delivered again, so every ask sent ahead is given up."""
         asked, self._asked = self._asked, {}
-        self._asked_at.clear()
-        for value in asked.values():
+        for _asked_at, value in asked.values():
             if value is not None:
                 self._drop(value)

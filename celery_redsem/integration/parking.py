@@ -142,7 +142,8 @@ class ParkedTasks:
 
     A line 1,000 deep is parked in one worker, and every release, dispatch and newcomer asks
     who is first or last in it, so those answers do not walk the line: the first waiting task
-    comes off a heap (entries left by tasks resumed or gone are skipped as they surface), the
+    comes off a heap (entries left by tasks resumed or gone are dropped as they surface; a
+    place never changes once parked, and a task parked again is a new entry), the
     deepest place is kept as tasks are parked, and copies of a running run are found by its
     permit id.
     """
@@ -218,14 +219,10 @@ class ParkedTasks:
         (Copies of a running run wait for that run, not in line.)"""
         heap = self._heads.get(name)
         while heap:
-            position, _, parked = heap[0]
-            live = self._by_name[name].get(parked.req) is parked
-            if live and parked.timer is not None and parked.position == position:
+            parked = heap[0][2]
+            if parked.timer is not None and self._by_name[name].get(parked.req) is parked:
                 return parked
-            heapq.heappop(heap)  # resumed, gone, or parked again under another place
-            if live and parked.timer is not None:
-                self._pushed += 1  # (its newer place has its own entry, unless this was it)
-                heapq.heappush(heap, (parked.position, self._pushed, parked))
+            heapq.heappop(heap)  # resumed or gone (a task parked again has an entry of its own)
         return None
 
     def copies_of(self, run: str, name: str) -> list[Parked]:
