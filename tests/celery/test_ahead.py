@@ -107,6 +107,12 @@ class _Recorder:
         self.dropped: list[str] = []
         self.ahead: AskAhead[str] | None = None
         self.then: Any = None
+        self.taken: list[object] = []  # what each task took with its slot
+
+    def process_task(self, req: object) -> None:
+        """The slot queue's callback: the task takes its slot, and what was asked ahead."""
+        assert self.ahead is not None
+        self.taken.append(self.ahead.take(req))
 
     def make(self, held_for_at_most: float = 60.0) -> AskAhead[str]:
         self.ahead = AskAhead(self.ask, self.drop, held_for_at_most)
@@ -153,23 +159,18 @@ def _queued(slots: LaxBoundedSemaphore, process_task: Any, count: int) -> list[o
 
 def test_the_first_tasks_queued_for_a_slot_are_asked_for_once_and_taken_with_it(hub: Hub) -> None:
     slots = LaxBoundedSemaphore(2)
-    taken: list[object] = []
     recorder = _Recorder()
     ahead = recorder.make()
-
-    def process_task(req: object) -> None:
-        taken.append(ahead.take(req))
-
-    reqs = _queued(slots, process_task, 5)
+    reqs = _queued(slots, recorder.process_task, 5)
     slots.acquire(lambda req: None, object())  # not a task admission hands out: never asked
-    ahead.install(hub, slots, process_task)
-    ahead.install(hub, slots, process_task)  # once per event loop
+    ahead.install(hub, slots, recorder.process_task)
+    ahead.install(hub, slots, recorder.process_task)  # once per event loop
     run_until(hub, lambda: len(recorder.asked) >= ASK_AHEAD, 5)
     turn(hub, 5)  # more turns of the loop ask nothing more
     assert recorder.asked == reqs[:ASK_AHEAD]
     recorder.busy()
     slots.release()  # the first takes its slot, with its ask; the next in the queue is asked
-    assert taken == [f"ask-for-{id(reqs[0])}"]
+    assert recorder.taken == [f"ask-for-{id(reqs[0])}"]
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD + 1, 5)
     assert recorder.asked[-1] is reqs[ASK_AHEAD]
     assert recorder.dropped == []
@@ -179,23 +180,18 @@ def test_a_task_that_takes_its_slot_while_it_is_being_asked_for_takes_the_ask(hu
     # An answer called back at once (a broken connection fails every ask in flight) can free
     # a slot, and the queue hands it to the task being asked for before the ask returns.
     slots = LaxBoundedSemaphore(1)
-    taken: list[object] = []
     recorder = _Recorder()
     ahead = recorder.make()
-
-    def process_task(req: object) -> None:
-        taken.append(ahead.take(req))
-
-    reqs = _queued(slots, process_task, 3)
+    reqs = _queued(slots, recorder.process_task, 3)
 
     def free_the_slot_once() -> None:
         recorder.then = None
         slots.release()
 
     recorder.then = free_the_slot_once  # the first ask frees the slot as it is sent
-    ahead.install(hub, slots, process_task)
+    ahead.install(hub, slots, recorder.process_task)
     run_until(hub, lambda: len(recorder.asked) >= 1, 5)
-    assert taken == [f"ask-for-{id(reqs[0])}"]  # taken with its slot, not asked for again
+    assert recorder.taken == [f"ask-for-{id(reqs[0])}"]  # taken with its slot, not asked again
     run_until(hub, lambda: len(recorder.asked) == 3, 5)  # the queue as it is now: 2nd, 3rd
     assert recorder.asked == reqs
     ahead.sweep()
@@ -206,12 +202,8 @@ def test_asks_for_tasks_gone_from_the_slot_queue_are_given_up(hub: Hub) -> None:
     slots = LaxBoundedSemaphore(1)
     recorder = _Recorder()
     ahead = recorder.make()
-
-    def process_task(req: object) -> None:
-        ahead.take(req)
-
-    reqs = _queued(slots, process_task, 3)
-    ahead.install(hub, slots, process_task)
+    reqs = _queued(slots, recorder.process_task, 3)
+    ahead.install(hub, slots, recorder.process_task)
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
     ahead.sweep()
     assert recorder.dropped == []  # still queued: kept
