@@ -15,6 +15,10 @@ reply (:mod:`.asking`), and for the first tasks queued for a slot before the slo
   permit while it is away (``back_in``); it asks again when its turn is expected, or at once
   when a run of the same semaphore ends here.
 
+A task that waits never takes a slot when it can be helped: one asked for ahead of its slot is
+parked straight from the slot queue, and a parked task resuming while a slot is free is asked
+for first and takes the slot only once granted (or when it must go to its child).
+
 A deep line costs a task O(1) round trips, and tasks for other keys queued behind a burst
 reach a free slot at once. Past the parking's bounds
 (:data:`~celery_redsem.integration.parking.MAX_PARKED` seconds from delivery, half the
@@ -28,8 +32,8 @@ The key function runs in the event loop; one too slow for that is left to the ch
 Anything unusual hands the task to its child unchanged, which waits or retries as
 :mod:`.retrying` describes: pools without a slot semaphore (solo, threads, gevent,
 eventlet), several guards, a key function that fails, ``min_replicas`` (its ``WAIT`` would
-stall the event loop), a worker shutting down, and Redis errors (admission pauses for
-:data:`PAUSE_AFTER_ERROR` seconds, longer after each error in a row).
+stall the event loop), a worker shutting down, and Redis errors (admission pauses, see
+:mod:`.gate`).
 ``redsem_worker_admission = False`` turns it off.
 """
 
@@ -52,11 +56,11 @@ from celery_redsem.integration.ahead import HELD_WAITING_FRESH, AskAhead
 from celery_redsem.integration.asking import Answer, Asks, WaitingAsks, asks_for
 from celery_redsem.integration.backoff import hold_times
 from celery_redsem.integration.config import RedsemConfig, get_client, get_config
-from celery_redsem.integration.dedupe import DUPLICATE_FIELD
+from celery_redsem.integration.gate import Gate
 from celery_redsem.integration.handoff import clear_grant, hand_over
 from celery_redsem.integration.live_runs import LiveRuns
 from celery_redsem.integration.metrics import record_admission_grant, record_unpark
-from celery_redsem.integration.naming import SlowKeyFunctions, call_arguments
+from celery_redsem.integration.naming import call_arguments
 from celery_redsem.integration.parking import (
     MAX_PARKED_TASKS,
     MIN_PARK,
@@ -67,14 +71,14 @@ from celery_redsem.integration.parking import (
     park_time,
     received_at,
 )
-from celery_redsem.integration.rate_guard import RateGuard, rate_guards_of
+from celery_redsem.integration.rate_guard import RateGuard
 from celery_redsem.integration.standby import (
     GrantNotices,
     Standbys,
     clear_standby,
     mark_standby,
 )
-from celery_redsem.integration.task_guard import TaskGuard, guards_of
+from celery_redsem.integration.task_guard import TaskGuard
 from celery_redsem.integration.waiting import (
     present_waiter_lease,
     read_wait_of,
@@ -83,20 +87,9 @@ from celery_redsem.integration.waiting import (
     stamp_wait_began,
 )
 
-__all__ = [
-    "MAX_PAUSE_AFTER_ERROR",
-    "PAUSE_AFTER_ERROR",
-    "Admission",
-    "install_admission",
-]
+__all__ = ["Admission", "install_admission"]
 
 logger = logging.getLogger(__name__)
-
-#: Seconds admission hands every task straight to the pool after a Redis error, doubling
-#: with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`: a Redis that hangs (rather
-#: than refuses) costs each ask a socket timeout.
-PAUSE_AFTER_ERROR = 5.0
-MAX_PAUSE_AFTER_ERROR = 60.0
 
 
 @dataclass
@@ -128,17 +121,14 @@ class Admission:
         self.controller = controller
         self.app = app
         self._dispatch = controller._process_task  # the worker's own: hands to the pool
-        self.lot = ParkingLot(controller, self.process_task)
+        self.ahead: AskAhead[_Asking] = AskAhead(self._ask_ahead, self._drop_ahead)
+        self.lot = ParkingLot(controller, self.process_task, self.ahead.ask_now)
         self.parked = self.lot.tasks  # parked requests, by request and by semaphore name
         self.runs = LiveRuns(on_end=self._wake_one)  # runs asked for or handed over here
         self.standbys = Standbys()
         self.notices = GrantNotices()
         self._asks: Asks | None = None
-        self.ahead: AskAhead[_Asking] = AskAhead(self._ask_ahead, self._drop_ahead)
-        self._paused_until = 0.0
-        self._paused_at = 0.0  # when the latest pause began
-        self._errors_in_row = 0  # Redis errors since admission last got an answer
-        self.slow_keys = SlowKeyFunctions()  # tasks whose key function is too slow for here
+        self.gate = Gate()  # which tasks admission decides for; its pause after an error
 
     # -- the hook -------------------------------------------------------------------------
 
@@ -162,7 +152,7 @@ class Admission:
             elif self._ask(req, guard, earlier):
                 return None  # answered later (or already): dispatched or parked then
         except BackendError as exc:
-            self._pause(exc)
+            self.gate.pause(exc)
         except Exception:  # never lose a task to a bug here: the child decides
             logger.exception("celery_redsem: admission failed for %s[%s]", req.name, req.id)
         if req in self.parked:
@@ -170,30 +160,9 @@ class Admission:
         return self._dispatch(req)
 
     def _guard_to_admit(self, req: Any) -> TaskGuard | RateGuard | None:
-        """The one guard of ``req``'s task if admission decides for it, else None."""
-        if self.lot.slots is None or time.monotonic() < self._paused_until:
-            return None  # (a pool without a slot semaphore: solo, threads, gevent, eventlet)
-        task = getattr(req, "task", None)
-        if task is None or task.name in self.slow_keys:
-            return None
-        guards: list[TaskGuard | RateGuard] = [*guards_of(task), *rate_guards_of(task)]
-        if len(guards) != 1 or req.revoked():
-            return None
-        if getattr(guards[0], "on_busy", "wait") != "wait":
-            return None  # one try, never parked: its child asks, then runs, skips or fails
-        if req.request_dict.get(DUPLICATE_FIELD):
-            return None  # ends at once in its child as a duplicate of the run with the mark
-        return guards[0]
-
-    def _pause(self, exc: BackendError) -> None:
-        """Hand every task straight to the pool for a while after a Redis error."""
-        pause = min(MAX_PAUSE_AFTER_ERROR, PAUSE_AFTER_ERROR * 2.0**self._errors_in_row)
-        self._errors_in_row += 1
-        self._paused_at = time.monotonic()
-        self._paused_until = self._paused_at + pause
-        logger.warning(
-            "celery_redsem: admission paused for %.0fs after a Redis error: %s", pause, exc
-        )
+        """The one guard of ``req``'s task if admission decides for it, else None (so for
+        every task in a pool without a slot semaphore: solo, threads, gevent, eventlet)."""
+        return None if self.lot.slots is None else self.gate.guard_of(req)
 
     # -- asking ---------------------------------------------------------------------------
 
@@ -216,7 +185,7 @@ class Admission:
         except Exception:  # the child reports a bad key (or limit) function, visibly
             return False
         finally:
-            self.slow_keys.timed(task.name, time.monotonic() - started)
+            self.gate.slow_keys.timed(task.name, time.monotonic() - started)
         sem = guard.semaphore(self.app, name, config, limit)
         if sem.min_replicas:
             return False
@@ -312,23 +281,29 @@ class Admission:
     def _on_answer(
         self, asking: _Asking, then: Callable[[_Asking, Permit | Waiting], None], answer: Answer
     ) -> None:
-        """An answer came for ``asking``: act on it, unless the worker moved on meanwhile."""
-        if not asking.slotted:  # asked ahead: kept until its task takes a slot
+        """An answer came for ``asking``: act on it, unless the worker moved on meanwhile.
+
+        Asked ahead of its slot, a task is parked at once if it waits (it never takes a
+        slot); any other answer is kept until it takes one (a free slot at once if granted).
+        """
+        if not asking.slotted:
             if asking.dropped:
                 self._let_go(asking, answer)
-            else:
+                return
+            if not isinstance(answer, Waiting) or self._moved_on(asking):
                 asking.held = (then, answer, time.monotonic())
-            return
+                self.ahead.claim_slot(asking.req)
+                return
         self.runs.answered(asking.run, asking.req)
         try:
             if self._gone(asking, answer):
                 return
             if isinstance(answer, BackendError):
-                if asking.asked >= self._paused_at:  # (not one more of the asks it failed)
-                    self._pause(answer)
+                if asking.asked >= self.gate.paused_at:  # (not one more of the asks it failed)
+                    self.gate.pause(answer)
                 self._settle(asking, None)
                 return
-            self._errors_in_row = 0
+            self.gate.answered()
             then(asking, answer)
         except Exception:  # never lose a task to a bug here: the child decides
             logger.exception("celery_redsem: admission failed for %s", asking.req)
@@ -340,15 +315,28 @@ class Admission:
         down (the task goes to its child, which asks, if it runs), or the broker connection
         the task came on was lost (its message will be delivered again: dropped here, its slot
         with it, as the consumer reset its slots)."""
-        consumer = self.controller.consumer
-        stopping = self.lot.stopping()
-        if not stopping and getattr(consumer, "connection", None) is asking.connection:
+        if not self._moved_on(asking):
             return False
+        stopping = self.lot.stopping()
         if isinstance(answer, Permit):
             release_quietly(asking.sem, answer)
         asking.settled = True
         if stopping:
             self._dispatch(asking.req)
+        return True
+
+    def _moved_on(self, asking: _Asking) -> bool:
+        """Whether the worker stops, or lost the broker connection ``asking`` was asked on."""
+        connection = getattr(self.controller.consumer, "connection", None)
+        return self.lot.stopping() or connection is not asking.connection
+
+    def _hold_for_slot(self, asking: _Asking, answer: Waiting) -> bool:
+        """Whether ``asking``'s task must take a slot before ``answer`` is acted on (it was
+        asked for ahead of its slot, and goes to the pool after all): kept until then."""
+        if asking.slotted:
+            return False
+        asking.held = (self._answered, answer, time.monotonic())
+        self.ahead.claim_slot(asking.req)
         return True
 
     def _answered(self, asking: _Asking, result: Permit | Waiting) -> None:
@@ -376,6 +364,8 @@ class Admission:
         max_wait = asking.guard.max_wait_for(asking.config)
         if max_wait is not None:
             if waited >= max_wait:  # the child fails it with AcquireTimeout
+                if self._hold_for_slot(asking, result):
+                    return
                 stamp_wait_began(req.request_dict, first_ms)
                 self._settle(asking, None)
                 return
@@ -385,10 +375,12 @@ class Admission:
         if held_for >= asking.longest or len(self.parked) >= MAX_PARKED_TASKS:
             # The child decides, most often a retry: a new message (with a countdown, held as
             # an ETA task is), this one acknowledged.
+            if self._hold_for_slot(asking, result):
+                return
             stamp_wait_began(req.request_dict, first_ms)
             self._settle(asking, None)
             return
-        if self._stand_by(asking, result.position):
+        if self._stand_by(asking, result):
             stamp_wait_began(req.request_dict, first_ms)
             return
         park = min(park, max(MIN_PARK, asking.longest - held_for))
@@ -424,19 +416,21 @@ class Admission:
         if permit is not None:
             self._recruit(permit.name)
 
-    def _stand_by(self, asking: _Asking, position: int) -> bool:
+    def _stand_by(self, asking: _Asking, result: Waiting) -> bool:
         """Dispatch ``asking``'s request without a permit, as the standby of its semaphore, if
         it should be one (:mod:`~celery_redsem.integration.standby`)."""
         name, semaphore = asking.sem.name, self.lot.slots
         if not self.standbys.wanted(
             name,
-            position=position,
+            position=result.position,
             limit=asking.sem.limit,
             hold=asking.hold,
             head_wait=asking.config.head_wait,
             free_slots=semaphore.value if semaphore is not None else 0,
         ):
             return False
+        if self._hold_for_slot(asking, result):
+            return True
         req = asking.req
         self.standbys.add(name, req)
         asking.settled = True
@@ -467,7 +461,10 @@ class Admission:
 
     def _park(self, asking: _Asking, parked: Parked, seconds: float) -> None:
         asking.settled = True
-        self.lot.park(parked, seconds)
+        if not asking.slotted:  # asked ahead: out of the slot queue, parked without a slot
+            self.ahead.unqueue(asking.req)
+            record_unpark(self.parked.remove(asking.req))
+        self.lot.park(parked, seconds, slot_taken=asking.slotted)
 
     def _ask_rate(self, req: Any, guard: RateGuard, earlier: Parked | None) -> None:
         """A task whose only guard is a rate limit: dispatched once its limiter admits it,
@@ -475,7 +472,7 @@ class Admission:
         delivered = received_at(req, earlier, time.monotonic())
         horizon = longest_park(self.app.conf) - (time.monotonic() - delivered)
         wait = guard.wait_at_dispatch(self.app, req.task, req, horizon)
-        self._errors_in_row = 0
+        self.gate.answered()
         if wait:  # 0.0: admitted; None: its child decides
             self.lot.park_for_rate(req, earlier, delivered, wait)
 

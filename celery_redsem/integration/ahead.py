@@ -9,6 +9,11 @@ asks right away. The answer is kept until the task takes its slot, and admission
 then, exactly as on the answer to an ask sent at that moment (so a task is dispatched, parked
 or made the standby only once it holds a slot).
 
+A task whose answer says it waits is parked from the queue without ever taking a slot
+(:meth:`AskAhead.unqueue`). A parked task resuming while a slot is free is put first in the
+queue and asked for at once (:meth:`AskAhead.ask_now`), so that no slot waits for its answer:
+it takes a free slot once granted (:meth:`AskAhead.claim_slot`), else the next one.
+
 What this costs: a permit granted ahead is held for the moments until a slot frees. So it is
 asked for only while slots turn over quickly (one handed out within the last
 :data:`SLOT_SOON` seconds, and about every ``SLOT_SOON / ASK_AHEAD`` seconds of late), and
@@ -106,6 +111,40 @@ class AskAhead(Generic[A]):
         can free a slot, and the queue hands it over there and then)."""
         if req in self._asked:
             self._asked[req] = (self._asked[req][0], asked)
+
+    def ask_now(self, req: Any) -> bool:
+        """Ask for ``req`` now, whatever the slots do (a parked task resuming while a slot is
+        free: it takes the slot once granted, see :meth:`claim_slot`); False if no ask went
+        out (``req`` takes its slot and is asked for then)."""
+        if self._slots is None:
+            return False
+        self._asked[req] = (time.monotonic(), None)
+        self._ask(req)
+        if self._asked.get(req, (0.0, None))[1] is None:
+            self._asked.pop(req, None)
+            return False
+        return True
+
+    def claim_slot(self, req: Any) -> None:
+        """``req``, queued for a slot, has its permit: if a slot is free it takes it now (a
+        queued task otherwise waits for the next slot given back)."""
+        slots = self._slots
+        if slots is None or slots.value <= 0 or not self.unqueue(req, forget=False):
+            return
+        slots.acquire(self._process_task, req)
+
+    def unqueue(self, req: Any, *, forget: bool = True) -> bool:
+        """Take ``req`` out of the slot queue (``forget``: and its ask); False if not there."""
+        if forget:
+            self._asked.pop(req, None)
+        if self._slots is None:
+            return False
+        waiting = self._slots._waiting
+        for i, (callback, args, _kwargs) in enumerate(waiting):
+            if callback == self._process_task and len(args) == 1 and args[0] is req:
+                del waiting[i]
+                return True
+        return False
 
     def _on_tick(self) -> None:
         if not self._slots._waiting or not self._slots_free_soon():

@@ -248,13 +248,21 @@ class ParkingLot:
     """Parks requests in one prefork worker: each gives its pool slot back, then asks again
     first in the slot queue, on its timer or when woken.
 
-    ``process_task`` is what a slot is taken for (admission's hook).
+    ``process_task`` is what a slot is taken for (admission's hook); ``ask_first(req)``, if
+    given, asks for a resuming task's permit while a slot is free, without taking the slot
+    (False: nothing was asked, the task takes the slot and is asked for there).
     """
 
-    def __init__(self, controller: Any, process_task: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        controller: Any,
+        process_task: Callable[[Any], Any],
+        ask_first: Callable[[Any], bool] | None = None,
+    ) -> None:
         self.controller = controller
         self.tasks = ParkedTasks()
         self._process_task = process_task
+        self._ask_first = ask_first
         self._slots: Any = _UNKNOWN
 
     def stopping(self) -> bool:
@@ -274,8 +282,8 @@ class ParkingLot:
             self._slots = slot_semaphore(self.controller)
         return self._slots
 
-    def park(self, parked: Parked, seconds: float) -> None:
-        """Park ``parked.req`` for ``seconds`` (its slot is given back)."""
+    def park(self, parked: Parked, seconds: float, *, slot_taken: bool = True) -> None:
+        """Park ``parked.req`` for ``seconds`` (its slot is given back, if it took one)."""
         controller = self.controller
         consumer = controller.consumer
         parked.connection = getattr(consumer, "connection", None)
@@ -285,7 +293,8 @@ class ParkingLot:
         self.tasks.add(parked)
         record_park(parked.req)
         parked.timer = controller.timer.call_after(seconds, self.resume, (parked.req,), priority=6)
-        self.give_back_slot()
+        if slot_taken:
+            self.give_back_slot()
 
     def park_copy(self, req: Any, name: str, earlier: Parked | None) -> None:
         """Park a second delivery of a task run running here until that run ends.
@@ -336,10 +345,14 @@ class ParkingLot:
             return
         semaphore = self.slots
         assert semaphore is not None
-        if semaphore.value > 0:
+        # First in the slot queue. With a slot free, its permit is asked for first: the slot
+        # is taken once it is granted, and a task parked again never held one.
+        queued: tuple[Any, tuple[Any], dict[str, Any]] = (self._process_task, (req,), {})
+        semaphore._waiting.appendleft(queued)
+        if semaphore.value > 0 and (self._ask_first is None or not self._ask_first(req)):
+            with suppress(ValueError):
+                semaphore._waiting.remove(queued)
             semaphore.acquire(self._process_task, req)
-        else:
-            semaphore._waiting.appendleft((self._process_task, (req,), {}))
 
     def wake(self, parked: Parked) -> None:
         """Resume ``parked`` now, before its timer."""

@@ -24,6 +24,7 @@ from celery_redsem.integration.parking import (
     WINDOW_STEP,
     Parked,
     ParkedTasks,
+    ParkingLot,
     widen_for_parked,
     window_step,
 )
@@ -257,6 +258,103 @@ def test_a_task_not_asked_for_ahead_is_not_asked_again_on_every_turn(hub: Hub) -
     run_until(hub, lambda: len(recorder.asked) == 1, 5)
     turn(hub, 5)
     assert len(recorder.asked) == 1
+
+
+def test_a_task_asked_for_now_takes_a_free_slot_once_granted(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    ahead.install(hub, slots, recorder.process_task)
+    req = object()
+    slots._waiting.appendleft((recorder.process_task, (req,), {}))  # first in line, slot free
+    assert ahead.ask_now(req)
+    assert recorder.asked == [req]
+    assert slots.value == 1
+    assert recorder.taken == []
+    ahead.claim_slot(req)
+    assert recorder.taken == [f"ask-for-{id(req)}"]  # the slot, with its ask
+    assert slots.value == 0
+    assert not slots._waiting
+
+
+def test_a_granted_task_waits_in_the_queue_while_no_slot_is_free(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    ahead.install(hub, slots, recorder.process_task)
+    (req,) = _queued(slots, recorder.process_task, 1)
+    assert ahead.ask_now(req)
+    ahead.claim_slot(req)
+    assert recorder.taken == []
+    assert len(slots._waiting) == 1
+    slots.release()  # the next slot given back is its
+    assert recorder.taken == [f"ask-for-{id(req)}"]
+
+
+def test_a_task_taken_out_of_the_slot_queue_leaves_no_ask_behind(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    ahead.install(hub, slots, recorder.process_task)
+    first, second = _queued(slots, recorder.process_task, 2)
+    run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
+    assert ahead.unqueue(first)  # parked again without a slot
+    assert not ahead.unqueue(first)
+    assert [args for _cb, args, _kw in slots._waiting] == [(second,)]
+    ahead.sweep()
+    assert recorder.dropped == []  # its ask was acted on, not given up
+    slots.release()
+    assert recorder.taken == [f"ask-for-{id(second)}"]
+
+
+def test_nothing_is_asked_for_now_where_no_ask_goes_out(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder(asks=False)  # e.g. not guarded: the task is asked for at its slot
+    ahead = recorder.make()
+    assert not ahead.ask_now(object())  # not installed yet: no slot queue to wait in
+    ahead.install(hub, slots, recorder.process_task)
+    req = object()
+    assert not ahead.ask_now(req)
+    ahead.sweep()
+    assert recorder.asked == [req]
+    assert recorder.dropped == []
+
+
+class _Consumer:
+    def __init__(self) -> None:
+        self.connection = object()
+        self.qos = QoS(lambda prefetch_count: None, 4)
+
+
+class _Controller:
+    """What ParkingLot reads of a prefork worker: its slot semaphore and timer (real ones)."""
+
+    def __init__(self, hub: Hub, slots: LaxBoundedSemaphore) -> None:
+        self.hub, self.timer, self.semaphore = hub, hub.timer, slots
+        self.consumer = _Consumer()
+        self.process_task = self._process_task_sem = _ignore
+
+
+@pytest.mark.parametrize("asked_first", [True, False])
+def test_a_parked_task_resuming_while_a_slot_is_free_is_asked_for_before_taking_it(
+    hub: Hub, asked_first: bool
+) -> None:
+    slots = LaxBoundedSemaphore(1)
+    took_slot: list[object] = []
+    lot = ParkingLot(_Controller(hub, slots), took_slot.append, lambda req: asked_first)
+    req = _Req("t-1")
+    parked = Parked(req, "a", 3, 1, 0, None, time.monotonic())
+    lot.park(parked, 60.0, slot_taken=False)  # parked again without a slot: none given back
+    assert slots.value == 1
+    lot.wake(parked)
+    if asked_first:  # its slot waits for the answer; nothing else is held up meanwhile
+        assert took_slot == []
+        assert slots.value == 1
+        assert [args for _cb, args, _kw in slots._waiting] == [(req,)]
+    else:  # no ask went out: the slot is taken, and the task is asked for there
+        assert took_slot == [req]
+        assert slots.value == 0
+        assert not slots._waiting
 
 
 # -- real workers ---------------------------------------------------------------------------------
