@@ -794,3 +794,17 @@ def test_more_lapsed_places_than_one_sweep_batch_are_all_swept(redis_client, pre
     assert sem.release(holder)
     assert isinstance(sem.attempt("newcomer"), Permit)  # nobody live is ahead of it
     assert sem.waiters() == []
+
+
+def test_a_renamed_semaphore_is_the_one_built_under_that_name(redis_client, prefix):
+    settings = {"lease": 7.0, "idle_ttl": 60.0, "prefix": prefix}
+    renamed = FairSemaphore(redis_client, "first", 3, **settings).renamed("second")
+    built = FairSemaphore(redis_client, "second", 3, **settings)
+    assert renamed.keys == built.keys
+    assert renamed._key_args == built._key_args
+    permit = renamed.acquire()
+    assert permit is not None
+    assert [h.permit_id for h in built.holders()] == [permit.id]
+    assert built.release(permit)
+    with pytest.raises(ConfigurationError, match="must not contain"):
+        built.renamed("bad{name}")

@@ -9,6 +9,7 @@ Usable without Celery::
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -34,7 +35,7 @@ from celery_redsem.core.errors import (
     NotEnoughReplicas,
 )
 from celery_redsem.core.heartbeat import Heartbeat, HeldPermit, get_heartbeat
-from celery_redsem.core.keys import DEFAULT_PREFIX
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name
 from celery_redsem.core.lane import executor_for
 from celery_redsem.core.permits import HolderInfo, Permit, SemaphoreState, WaiterInfo, Waiting
 from celery_redsem.core.refresh import refresh_permits
@@ -137,6 +138,17 @@ class FairSemaphore(SemaphoreSpec):
                 "grant held; shorten replica_timeout or lengthen socket_timeout",
                 name=name,
             )
+
+    def renamed(self, name: str) -> FairSemaphore:
+        """The same semaphore settings under another ``name``: a copy that checks only the
+        name (building one from scratch checks every setting again; a worker with many keys
+        does this on every task)."""
+        other = copy.copy(self)
+        other.name = validate_name(name)
+        other.keys = SemaphoreKeys(self._prefix, other.name)
+        other._keys = script_keys(self.client, other.keys)
+        other._key_args = (str(len(other._keys)).encode(), *(k.encode() for k in other._keys))
+        return other
 
     # -- acquiring -----------------------------------------------------------------------------
 

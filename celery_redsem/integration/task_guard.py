@@ -32,7 +32,7 @@ from celery._state import get_current_app, get_current_task
 from celery.app.task import Context
 from celery.exceptions import Retry
 
-from celery_redsem.core.client import socket_timeout
+from celery_redsem.core.client import RedisClient, socket_timeout
 from celery_redsem.core.errors import (
     AcquireTimeout,
     BackendError,
@@ -424,7 +424,18 @@ class TaskGuard:
 #: The semaphores of this process, by client, name and settings: one is built (and checks its
 #: settings) once, not on every ask and every run. (A FairSemaphore keeps no state of its own
 #: between calls; a forked child has a client of its own, so it never finds its parent's.)
-_semaphore = functools.lru_cache(maxsize=1024)(FairSemaphore)
+#: A new name is a renamed copy of one with the same settings (:meth:`FairSemaphore.renamed`).
+@functools.lru_cache(maxsize=1024)
+def _semaphore(client: RedisClient, name: str, limit: int, **settings: Any) -> FairSemaphore:
+    try:
+        return _settings_of(client, limit, **settings).renamed(name)
+    except ConfigurationError:  # reported with this name
+        return FairSemaphore(client, name, limit, **settings)
+
+
+@functools.lru_cache(maxsize=64)
+def _settings_of(client: RedisClient, limit: int, **settings: Any) -> FairSemaphore:
+    return FairSemaphore(client, "settings", limit, **settings)
 
 
 def _optional(rule: Rule, value: object, what: str) -> Any:
