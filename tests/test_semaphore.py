@@ -697,6 +697,37 @@ def test_a_release_wakes_the_first_due_waiter_not_one_that_is_away(redis_client,
     assert time.monotonic() - released_at < 5  # woken: its poll alone would take 10 s
 
 
+def _woken(redis_client, sem):
+    """The ids whose wake-up lists hold a wake-up now."""
+    keys = redis_client.keys(sem.keys.wake("*"))
+    return sorted(k.decode().rsplit(":", 1)[1] for k in keys)
+
+
+@pytest.mark.parametrize("due_lost", [False, True])
+def test_a_release_wakes_due_waiters_in_line_order_among_the_first_hundred_places(
+    redis_client, prefix, due_lost
+):
+    # A deep line of waiters away on countdowns, with due ones among them: the release wakes
+    # the first due ones in line order, and none past the hundredth place. With the due-times
+    # key lost, every place counts as due (the wake-ups go to the first places).
+    sem = make(redis_client, prefix, limit=3, lease=30)
+    holders = [sem.acquire(permit_id=f"h{i}") for i in range(3)]
+    present = {7, 42, 99, 100, 140}
+    for i in range(150):
+        back_in = 0.0 if i in present else 30.0
+        sem.attempt(f"w{i:03d}", join_line=True, waiter_lease=60, back_in=back_in)
+    if due_lost:
+        redis_client.delete(sem.keys.waiter_due)
+    assert _woken(redis_client, sem) == []
+    assert sem.release(holders[0])
+    assert _woken(redis_client, sem) == (["w000"] if due_lost else ["w007"])
+    assert sem.release(holders[1])
+    assert sem.release(holders[2])
+    # (w007 was woken already; a wake-up list holds one wake-up)
+    expected = ["w000", "w001", "w002"] if due_lost else ["w007", "w042", "w099"]
+    assert _woken(redis_client, sem) == expected
+
+
 @pytest.mark.parametrize("lost", ["waiter_expiry", "waiter_due"])
 def test_a_line_key_lost_and_made_again_gets_a_ttl(redis_client, prefix, lost):
     sem = make(redis_client, prefix, limit=1, lease=30)
