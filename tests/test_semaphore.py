@@ -728,6 +728,22 @@ def test_a_release_wakes_due_waiters_in_line_order_among_the_first_hundred_place
     assert _woken(redis_client, sem) == expected
 
 
+def test_a_place_without_a_due_time_is_woken_when_a_stale_one_balances_the_count(
+    redis_client, prefix
+):
+    # As many due times as places, but one belongs to a place gone and one place has none
+    # (lost with a key, made again): the place without one counts as due, as it always did.
+    sem = make(redis_client, prefix, limit=1, lease=30)
+    holder = sem.acquire(permit_id="h")
+    for i in range(5):
+        sem.attempt(f"w{i}", join_line=True, waiter_lease=60, back_in=30)
+    redis_client.zrem(sem.keys.waiter_due, "w3")
+    redis_client.zadd(sem.keys.waiter_due, {"ghost": 1})  # due long ago, not in line
+    assert redis_client.zcard(sem.keys.waiter_due) == redis_client.zcard(sem.keys.waiters)
+    assert sem.release(holder)
+    assert _woken(redis_client, sem) == ["w3"]
+
+
 @pytest.mark.parametrize("lost", ["waiter_expiry", "waiter_due"])
 def test_a_line_key_lost_and_made_again_gets_a_ttl(redis_client, prefix, lost):
     sem = make(redis_client, prefix, limit=1, lease=30)

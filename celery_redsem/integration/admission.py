@@ -148,7 +148,8 @@ class Admission:
             return self._dispatch(req)
         try:
             if isinstance(guard, RateGuard):
-                self._ask_rate(req, guard, earlier)
+                self.lot.admit_rate(self.app, req, guard, earlier)
+                self.gate.answered()
             elif self._ask(req, guard, earlier):
                 return None  # answered later (or already): dispatched or parked then
         except BackendError as exc:
@@ -307,8 +308,13 @@ class Admission:
             then(asking, answer)
         except Exception:  # never lose a task to a bug here: the child decides
             logger.exception("celery_redsem: admission failed for %s", asking.req)
-            if not asking.settled:
+            if asking.settled:
+                return
+            if asking.slotted:
                 self._settle(asking, None)
+            else:  # (with its slot)
+                asking.held = (self._to_child, answer, time.monotonic())
+                self.ahead.claim_slot(asking.req)
 
     def _gone(self, asking: _Asking, answer: Answer) -> bool:
         """Whether the worker moved on while ``asking``'s ask was in flight: it is shutting
@@ -336,8 +342,13 @@ class Admission:
         if asking.slotted:
             return False
         asking.held = (self._answered, answer, time.monotonic())
+        self.runs.asking(asking.run, asking.req)  # (answered when it takes its slot)
         self.ahead.claim_slot(asking.req)
         return True
+
+    def _to_child(self, asking: _Asking, _answer: Permit | Waiting) -> None:
+        """Dispatch ``asking``'s request without a permit: its child decides."""
+        self._settle(asking, None)
 
     def _answered(self, asking: _Asking, result: Permit | Waiting) -> None:
         """The first answer: dispatch with the permit, or park (telling Redis when the task
@@ -426,7 +437,8 @@ class Admission:
             limit=asking.sem.limit,
             hold=asking.hold,
             head_wait=asking.config.head_wait,
-            free_slots=semaphore.value if semaphore is not None else 0,
+            # (besides its own: a task asked for ahead has not taken it yet)
+            free_slots=semaphore.value - int(not asking.slotted) if semaphore is not None else 0,
         ):
             return False
         if self._hold_for_slot(asking, result):
@@ -465,16 +477,6 @@ class Admission:
             self.ahead.unqueue(asking.req)
             record_unpark(self.parked.remove(asking.req))
         self.lot.park(parked, seconds, slot_taken=asking.slotted)
-
-    def _ask_rate(self, req: Any, guard: RateGuard, earlier: Parked | None) -> None:
-        """A task whose only guard is a rate limit: dispatched once its limiter admits it,
-        else parked until exactly the slot booked for it (no pool slot, no broker trip)."""
-        delivered = received_at(req, earlier, time.monotonic())
-        horizon = longest_park(self.app.conf) - (time.monotonic() - delivered)
-        wait = guard.wait_at_dispatch(self.app, req.task, req, horizon)
-        self.gate.answered()
-        if wait:  # 0.0: admitted; None: its child decides
-            self.lot.park_for_rate(req, earlier, delivered, wait)
 
     # -- finished tasks wake parked ones -------------------------------------------------
 

@@ -120,8 +120,9 @@ class AskAhead(Generic[A]):
             return False
         self._asked[req] = (time.monotonic(), None)
         self._ask(req)
-        if self._asked.get(req, (0.0, None))[1] is None:
-            self._asked.pop(req, None)
+        entry = self._asked.get(req)  # (gone: answered at once, and acted on)
+        if entry is not None and entry[1] is None:  # nothing was sent
+            del self._asked[req]
             return False
         return True
 
@@ -168,9 +169,12 @@ class AskAhead(Generic[A]):
     def sweep(self) -> None:
         """Give up the asks of requests no longer in the slot queue (it was cleared), and
         those kept for longer than :data:`HELD_FOR_AT_MOST` (asked again when slots free
-        soon)."""
-        if not self._asked:
-            return
+        soon); then hand any free slot to the tasks queued for one."""
+        if self._asked:
+            self._sweep_asks()
+        self._fill_free_slots()
+
+    def _sweep_asks(self) -> None:
         queued = {id(args[0]) for _cb, args, _kw in self._slots._waiting if args}
         too_old = time.monotonic() - self._held_for_at_most
         for req, (asked_at, asked) in list(self._asked.items()):
@@ -179,6 +183,17 @@ class AskAhead(Generic[A]):
             del self._asked[req]
             if asked is not None:
                 self._drop(asked)
+
+    def _fill_free_slots(self) -> None:
+        """Hand free slots to the queue's head, unless it waits for the answer to its ask
+        (a queued task is otherwise handed a slot only when one is given back)."""
+        slots = self._slots
+        while slots.value > 0 and slots._waiting:
+            callback, args, kwargs = slots._waiting[0]
+            if callback == self._process_task and len(args) == 1 and args[0] in self._asked:
+                return  # takes a slot once granted
+            slots._waiting.popleft()
+            slots.acquire(callback, *args, **kwargs)
 
     def _on_close(self, *_: Any) -> None:
         """The event loop closes or resets (a lost broker connection): every queued task's

@@ -80,8 +80,9 @@ class _SimpleBinding:
 
     def __init__(self, signature: inspect.Signature) -> None:
         params = signature.parameters.values()
+        self._order = list(signature.parameters)
         self._positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
-        self._names = frozenset(signature.parameters)
+        self._names = frozenset(self._order)
         self._required = [p.name for p in params if p.default is p.empty]
         self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
 
@@ -103,7 +104,8 @@ class _SimpleBinding:
             named[name] = value
         if any(name not in named for name in self._required):
             return None
-        return {**self._defaults, **named}
+        defaults = self._defaults
+        return {name: named[name] if name in named else defaults[name] for name in self._order}
 
 
 def call_arguments(task: Task[Any, Any], args: Any) -> tuple[Any, ...]:

@@ -26,6 +26,7 @@ from kombu.transport.virtual import Transport as VirtualTransport
 
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.integration.metrics import record_park, record_unpark
+from celery_redsem.integration.rate_guard import RateGuard
 
 __all__ = [
     "EARLY",
@@ -310,6 +311,15 @@ class ParkingLot:
         delivered = received_at(req, earlier, time.monotonic())
         self.park(Parked(req, name, 0, first_ms, tries, None, delivered), MAX_PARK)
 
+    def admit_rate(self, app: Any, req: Any, guard: RateGuard, earlier: Parked | None) -> None:
+        """A task whose only guard is a rate limit: dispatched once its limiter admits it,
+        else parked until exactly the start booked for it (no pool slot, no broker trip)."""
+        delivered = received_at(req, earlier, time.monotonic())
+        horizon = longest_park(app.conf) - (time.monotonic() - delivered)
+        wait = guard.wait_at_dispatch(app, req.task, req, horizon)
+        if wait:  # 0.0: admitted; None: its child decides
+            self.park_for_rate(req, earlier, delivered, wait)
+
     def park_for_rate(
         self, req: Any, earlier: Parked | None, delivered: float, seconds: float
     ) -> None:
@@ -350,8 +360,10 @@ class ParkingLot:
         queued: tuple[Any, tuple[Any], dict[str, Any]] = (self._process_task, (req,), {})
         semaphore._waiting.appendleft(queued)
         if semaphore.value > 0 and (self._ask_first is None or not self._ask_first(req)):
-            with suppress(ValueError):
+            try:
                 semaphore._waiting.remove(queued)
+            except ValueError:  # (handed its slot meanwhile)
+                return
             semaphore.acquire(self._process_task, req)
 
     def wake(self, parked: Parked) -> None:

@@ -335,6 +335,47 @@ class _Controller:
         self.process_task = self._process_task_sem = _ignore
 
 
+def test_a_queued_task_whose_ask_was_given_up_gets_a_free_slot(hub: Hub) -> None:
+    # Asked for while a slot was free, unanswered for too long (a slow Redis): the ask is
+    # given up, and the task is handed the free slot (asked for there), not left queued.
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead = recorder.make(held_for_at_most=0.0)
+    ahead.install(hub, slots, recorder.process_task)
+    req = object()
+    slots._waiting.appendleft((recorder.process_task, (req,), {}))
+    assert ahead.ask_now(req)
+    ahead.sweep()
+    assert recorder.dropped == [f"ask-for-{id(req)}"]
+    assert recorder.taken == [None]  # its slot, with no ask: asked for there
+    assert slots.value == 0
+
+
+def test_a_task_answered_while_it_is_asked_for_now_takes_one_slot_once(hub: Hub) -> None:
+    # The answer is called back before the ask returns (a client that waits for its reply,
+    # or a failed connection) and hands the task its slot there and then.
+    slots = LaxBoundedSemaphore(2)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    ahead.install(hub, slots, recorder.process_task)
+    took_slot: list[object] = []
+
+    def process_task(req: object) -> None:
+        took_slot.append(req)
+        recorder.process_task(req)
+
+    lot = ParkingLot(_Controller(hub, slots), process_task, ahead.ask_now)
+    ahead._process_task = process_task  # (the queue entries the lot makes)
+    req = _Req("t-2")
+    recorder.then = lambda: ahead.claim_slot(req)  # granted at once
+    parked = Parked(req, "a", 1, 1, 0, None, time.monotonic())
+    lot.park(parked, 60.0, slot_taken=False)
+    lot.wake(parked)
+    assert took_slot == [req]  # once, not again when the ask returns
+    assert slots.value == 1
+    assert not slots._waiting
+
+
 @pytest.mark.parametrize("asked_first", [True, False])
 def test_a_parked_task_resuming_while_a_slot_is_free_is_asked_for_before_taking_it(
     hub: Hub, asked_first: bool

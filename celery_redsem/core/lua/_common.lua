@@ -265,17 +265,24 @@ local function helpers()
       local last = line > 100 and tonumber(redis.call('ZRANGE', waiters, 99, 99, 'WITHSCORES')[2])
       local found = {}
       for i, id in ipairs(due_ids) do
-        local ticket = tonumber(tickets[i] or 0) -- (a due time left by a place now gone: none)
-        if ticket > 0 and (not last or ticket <= last) then
+        local ticket = tonumber(tickets[i] or 0)
+        if ticket == 0 then -- a due time left by a place now gone: the index is not whole
+          found = nil
+          break
+        end
+        if not last or ticket <= last then
           found[#found + 1] = {ticket, id}
         end
       end
-      table.sort(found, function(a, b) return a[1] < b[1] end)
-      ids = {}
-      for i = 1, #found do
-        ids[i] = found[i][2]
+      if found then
+        table.sort(found, function(a, b) return a[1] < b[1] end)
+        ids = {}
+        for i = 1, #found do
+          ids[i] = found[i][2]
+        end
       end
-    else
+    end
+    if not ids then
       ids = redis.call('ZRANGE', waiters, 0, 99)
     end
     if #ids == 0 then
