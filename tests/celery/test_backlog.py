@@ -3,6 +3,7 @@ through the broker, and nothing lost or run twice when a worker is killed in the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 import redis
 from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
 
+from celery_redsem.ops.cli import redsem
 from tests.celery.conftest import holder, running_workers
 from tests.servers import wait_until
 
@@ -50,6 +54,35 @@ def _quick_redelivery(module_prefix: str) -> dict[str, object]:
 
 def _ids(events: list[str], kind: str) -> list[str]:
     return [event.split(" ", 1)[1] for event in events if event.startswith(kind + " ")]
+
+
+@pytest.mark.slow
+def test_celery_redsem_status_shows_a_parked_backlog_in_line_order(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # 30 tasks of 0.3 s on one key (limit 3) through one worker of 4 slots: the backlog is
+    # parked in the worker, and `celery redsem status` lists it in line order.
+    queue = f"status-{key}"
+    with running_workers(redis_url, module_prefix, tmp_path, ["st"], 4, "-Q", queue):
+        sent = [app.tasks["t.counted"].apply_async((key, 0.3), queue=queue) for _ in range(30)]
+        ids = {result.id for result in sent}
+        sem = holder(app, f"counted:{key}", 3)
+        wait_until(lambda: len(sem.waiters()) >= 20, 30, what="the backlog parked in line")
+        obj = CLIContext(app=app, no_color=True, workdir=None)
+        shown = CliRunner().invoke(redsem, ["status", f"counted:{key}", "--json"], obj=obj)
+        assert shown.exit_code == 0, shown.output
+        (state,) = json.loads(shown.output)["semaphores"]
+        waiters = state["waiters"]
+        assert len(waiters) >= 15
+        assert {w["permit_id"] for w in waiters} <= ids
+        tickets = [w["ticket"] for w in waiters]
+        assert tickets == sorted(tickets)  # first in line first
+        text = CliRunner().invoke(redsem, ["status", f"counted:{key}"], obj=obj).output
+        places = [
+            line.split()[1] for line in text.splitlines() if line.strip().startswith("waiter")
+        ]
+        assert places[:3] == ["#1", "#2", "#3"]
+        assert all(result.get(timeout=60)["name"] == f"counted:{key}" for result in sent)
 
 
 @pytest.mark.slow
