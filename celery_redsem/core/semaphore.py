@@ -124,11 +124,9 @@ class FairSemaphore(SemaphoreSpec):
             clock=clock,
             mark_renewals=self.min_replicas > 0,
         )
-        self._keys = script_keys(self.client, self.keys)
+        self._use_keys()
         # acquire and release go over the client's lane (lane.py), sparing a pool checkout.
         self._execute = executor_for(self.client)
-        # EVALSHA's numkeys and keys, encoded once, not on every call.
-        self._key_args = (str(len(self._keys)).encode(), *(k.encode() for k in self._keys))
         self.replica_timeout = SECONDS.check(replica_timeout, "replica_timeout")
         if min_replicas and self.replica_timeout > blocking_wait_cap(self.client):
             raise ConfigurationError(
@@ -146,9 +144,14 @@ class FairSemaphore(SemaphoreSpec):
         other = copy.copy(self)
         other.name = validate_name(name)
         other.keys = SemaphoreKeys(self._prefix, other.name)
-        other._keys = script_keys(self.client, other.keys)
-        other._key_args = (str(len(other._keys)).encode(), *(k.encode() for k in other._keys))
+        other._use_keys()
         return other
+
+    def _use_keys(self) -> None:
+        """The keys the scripts are called with, for :attr:`keys`; and EVALSHA's numkeys and
+        keys, encoded once, not on every call."""
+        self._keys = script_keys(self.client, self.keys)
+        self._key_args = (str(len(self._keys)).encode(), *(k.encode() for k in self._keys))
 
     # -- acquiring -----------------------------------------------------------------------------
 
