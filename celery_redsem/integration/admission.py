@@ -111,7 +111,11 @@ class _Asking:
     settled: bool = False
     slotted: bool = True  # False while asked ahead of its slot (:mod:`.ahead`)
     dropped: bool = False  # asked ahead, for a task that will not take a slot here
-    held: tuple[Callable[[_Asking, Permit | Waiting], None], Answer, float] | None = None
+    held: tuple[_Then, Answer, float] | None = None  # an answer kept until it takes its slot
+
+
+#: What acts on the answer to an ask (once the task holds its slot).
+_Then = Callable[[_Asking, Permit | Waiting], None]
 
 
 class Admission:
@@ -254,13 +258,7 @@ class Admission:
         if isinstance(answer, Permit) and not self.runs.handed_here(asking.run):
             release_quietly(asking.sem, answer)  # (never the permit of a run going on here)
 
-    def _send(
-        self,
-        asking: _Asking,
-        lease: float,
-        back_in: float,
-        then: Callable[[_Asking, Permit | Waiting], None],
-    ) -> None:
+    def _send(self, asking: _Asking, lease: float, back_in: float, then: _Then) -> None:
         """Send one ask for ``asking``; ``then`` gets its answer (unless that is an error)."""
         asking.lease, asking.back_in, asking.asked = lease, back_in, time.monotonic()
         self.runs.asking(asking.run, asking.req)
@@ -279,9 +277,7 @@ class Admission:
                 self.ahead.install(hub, self.lot.slots, self.process_task)
         return self._asks
 
-    def _on_answer(
-        self, asking: _Asking, then: Callable[[_Asking, Permit | Waiting], None], answer: Answer
-    ) -> None:
+    def _on_answer(self, asking: _Asking, then: _Then, answer: Answer) -> None:
         """An answer came for ``asking``: act on it, unless the worker moved on meanwhile.
 
         Asked ahead of its slot, a task is parked at once if it waits (it never takes a
@@ -292,8 +288,7 @@ class Admission:
                 self._let_go(asking, answer)
                 return
             if not isinstance(answer, Waiting) or self._moved_on(asking):
-                asking.held = (then, answer, time.monotonic())
-                self.ahead.claim_slot(asking.req)
+                self._keep_for_slot(asking, then, answer)
                 return
         self.runs.answered(asking.run, asking.req)
         try:
@@ -313,8 +308,7 @@ class Admission:
             if asking.slotted:
                 self._settle(asking, None)
             else:  # (with its slot)
-                asking.held = (self._to_child, answer, time.monotonic())
-                self.ahead.claim_slot(asking.req)
+                self._keep_for_slot(asking, self._to_child, answer)
 
     def _gone(self, asking: _Asking, answer: Answer) -> bool:
         """Whether the worker moved on while ``asking``'s ask was in flight: it is shutting
@@ -341,10 +335,15 @@ class Admission:
         asked for ahead of its slot, and goes to the pool after all): kept until then."""
         if asking.slotted:
             return False
-        asking.held = (self._answered, answer, time.monotonic())
         self.runs.asking(asking.run, asking.req)  # (answered when it takes its slot)
-        self.ahead.claim_slot(asking.req)
+        self._keep_for_slot(asking, self._answered, answer)
         return True
+
+    def _keep_for_slot(self, asking: _Asking, then: _Then, answer: Answer) -> None:
+        """Keep ``answer`` for ``asking``'s task, asked for ahead, until it takes its slot
+        (``then`` acts on it there); a free slot is taken at once."""
+        asking.held = (then, answer, time.monotonic())
+        self.ahead.claim_slot(asking.req)
 
     def _to_child(self, asking: _Asking, _answer: Permit | Waiting) -> None:
         """Dispatch ``asking``'s request without a permit: its child decides."""

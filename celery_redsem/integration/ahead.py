@@ -118,8 +118,7 @@ class AskAhead(Generic[A]):
         out (``req`` takes its slot and is asked for then)."""
         if self._slots is None:
             return False
-        self._asked[req] = (time.monotonic(), None)
-        self._ask(req)
+        self._send(req)
         entry = self._asked.get(req)  # (gone: answered at once, and acted on)
         if entry is not None and entry[1] is None:  # nothing was sent
             del self._asked[req]
@@ -141,11 +140,22 @@ class AskAhead(Generic[A]):
         if self._slots is None:
             return False
         waiting = self._slots._waiting
-        for i, (callback, args, _kwargs) in enumerate(waiting):
-            if callback == self._process_task and len(args) == 1 and args[0] is req:
+        for i, entry in enumerate(waiting):
+            if self._task_in(entry) is req:
                 del waiting[i]
                 return True
         return False
+
+    def _task_in(self, entry: tuple[Any, tuple[Any, ...], Any]) -> Any:
+        """The request a slot queue ``entry`` is for, if admission's hook takes it, else None."""
+        callback, args, _kwargs = entry
+        return args[0] if callback == self._process_task and len(args) == 1 else None
+
+    def _send(self, req: Any) -> None:
+        """Ask for ``req`` (once at most, whatever the outcome; ``ask`` calls :meth:`sent`
+        before it sends)."""
+        self._asked[req] = (time.monotonic(), None)
+        self._ask(req)
 
     def _on_tick(self) -> None:
         if not self._slots._waiting or not self._slots_free_soon():
@@ -154,16 +164,15 @@ class AskAhead(Generic[A]):
             req = self._next_to_ask()
             if req is None:
                 return
-            self._asked[req] = (time.monotonic(), None)  # asked once at most, whatever the outcome
-            self._ask(req)  # (calls sent() before it sends)
+            self._send(req)
 
     def _next_to_ask(self) -> Any:
         """The first of the first :data:`ASK_AHEAD` tasks in the slot queue not asked for yet."""
         waiting = self._slots._waiting
         for i in range(min(ASK_AHEAD, len(waiting))):
-            callback, args, _kwargs = waiting[i]
-            if callback == self._process_task and len(args) == 1 and args[0] not in self._asked:
-                return args[0]
+            req = self._task_in(waiting[i])
+            if req is not None and req not in self._asked:
+                return req
         return None
 
     def sweep(self) -> None:
@@ -189,10 +198,9 @@ class AskAhead(Generic[A]):
         (a queued task is otherwise handed a slot only when one is given back)."""
         slots = self._slots
         while slots.value > 0 and slots._waiting:
-            callback, args, kwargs = slots._waiting[0]
-            if callback == self._process_task and len(args) == 1 and args[0] in self._asked:
+            if self._task_in(slots._waiting[0]) in self._asked:
                 return  # takes a slot once granted
-            slots._waiting.popleft()
+            callback, args, kwargs = slots._waiting.popleft()
             slots.acquire(callback, *args, **kwargs)
 
     def _on_close(self, *_: Any) -> None:

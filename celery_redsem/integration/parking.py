@@ -211,10 +211,6 @@ class ParkedTasks:
                 self._copies.pop(run, None)
         return parked
 
-    def on(self, name: str) -> list[Parked]:
-        """The tasks parked on semaphore ``name``."""
-        return list(self._by_name.get(name, {}).values())
-
     def first_in_line(self, name: str) -> Parked | None:
         """The task parked on ``name`` first in its line, not resumed yet (None: none).
         (Copies of a running run wait for that run, not in line.)"""
