@@ -19,7 +19,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 types: $(STAMP)
-	$(VENV)/bin/mypy celery_redsem
+	$(VENV)/bin/mypy celery_redsem benchmarks
 
 pytest: $(STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile

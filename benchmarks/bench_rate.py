@@ -87,7 +87,8 @@ def make_app(url: str, broker_url: str, prefix: str, rate: float) -> Celery:
 
 
 if all(name in os.environ for name in (*_ENV, _RATE_ENV)):  # a worker of this benchmark
-    app = make_app(*(os.environ[name] for name in _ENV), float(os.environ[_RATE_ENV]))
+    url, broker_url, prefix = (os.environ[name] for name in _ENV)
+    app = make_app(url, broker_url, prefix, float(os.environ[_RATE_ENV]))
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def run_variant(
     workers = _workers(broker, url, prefix, args.rate, args.concurrency)
     try:
         deadline = time.monotonic() + 60
-        while len(bench.control.ping(timeout=0.5)) < 2:
+        while len(bench.control.ping(timeout=0.5) or []) < 2:
             if time.monotonic() > deadline:
                 raise RuntimeError("the two workers did not answer a ping within 60 s")
         task = bench.tasks[f"bench.{variant}"]

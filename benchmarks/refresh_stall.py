@@ -59,7 +59,8 @@ def _log_every_command(client: redis.Redis, entries: int) -> Iterator[None]:
         yield
     finally:
         for key, value in saved.items():
-            client.config_set(key, value)
+            if value is not None:
+                client.config_set(key, value)
 
 
 def _measure(client: redis.Redis, permits: list[Permit], label: str) -> StallResult:
