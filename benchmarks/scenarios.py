@@ -96,10 +96,15 @@ def rate(count: int, batch: Batch) -> float:
 
 def row(name: str, setup: str, batch: Batch, extra: list[str]) -> str:
     n = len(batch.records)
-    deliveries = "?" if batch.received is None else f"{batch.received / n:.2f}"
     cells = [setup, str(n), f"{batch.makespan:.2f}s", *extra]
-    cells += [f"{batch.retries / n:.3f}", deliveries, str(batch.over)]
+    cells += [f"{batch.retries / n:.3f}", deliveries(batch), str(batch.over)]
     return f"{name:<14}" + "".join(f"{c:>12}" for c in cells)
+
+
+def deliveries(batch: Batch) -> str:
+    """Deliveries per task the workers counted ("?" if a worker did not report)."""
+    n = len(batch.records)
+    return "?" if batch.received is None else f"{batch.received / n:.2f}"
 
 
 def header(name: str, columns: list[str]) -> None:
@@ -373,8 +378,7 @@ def print_mixed_table(results: dict[str, list[Versus]]) -> None:
             cells = [f"{b.makespan:.2f}s", f"{r.ideal_makespan:.2f}s", f"{r.utilization:.2f}"]
             cells += [f"{v:.3f}s" for v in (r.p50, r.p99, r.ideal_p50, r.ideal_p99)]
             cells += ["n/a" if r.p99_ratio is None else f"{r.p99_ratio:.2f}", str(b.over)]
-            deliveries = "?" if b.received is None else f"{b.received / len(b.records):.2f}"
-            cells += [f"{rate(b.retries, b):.3f}", deliveries]
+            cells += [f"{rate(b.retries, b):.3f}", deliveries(b)]
             print(f"{b.tag if len(runs) > 1 else mode:<8}" + "".join(f"{c:>12}" for c in cells))
 
 
