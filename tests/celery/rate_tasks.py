@@ -1,8 +1,9 @@
 """Rate-limited test tasks, added to a test app by :func:`add_rate_tasks`.
 
 Each start is logged on the server's clock in ``<prefix>:r:starts:<key>``, one entry per run:
-``"<microseconds> <n> <retries> <trips>"`` (the run's number, its own ``request.retries``, and
-its contention retries through the broker from the ``redsem_wait`` header). The stacked tasks
+``"<microseconds> <n> <retries> <trips> <worker>"`` (the run's number, its own
+``request.retries``, its contention retries through the broker from the ``redsem_wait`` header,
+and the node name of the worker that ran it). The stacked tasks
 also count themselves in and out (``<prefix>:t:cur:<key>``, most at once in ``<prefix>:t:max:
 <key>``), as the semaphore tests do.
 """
@@ -33,14 +34,16 @@ class Start(NamedTuple):
     n: int
     retries: int  # the run's own request.retries
     trips: int  # contention retries through the broker
+    worker: str  # the node name of the worker that ran it
 
 
 def read_starts(client: redis.Redis, prefix: str, key: str) -> list[Start]:
     """The starts logged for ``key``, in time order."""
     rows = []
     for raw in client.lrange(f"{prefix}:r:starts:{key}", 0, -1):
-        micros, n, retries, trips = (int(v) for v in raw.split())
-        rows.append(Start(micros / 1e6, n, retries, trips))
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        micros, n, retries, trips, worker = text.split()
+        rows.append(Start(int(micros) / 1e6, int(n), int(retries), int(trips), worker))
     return sorted(rows)
 
 
@@ -66,7 +69,7 @@ def add_rate_tasks(app: Celery, redis_url: str, prefix: str, *, stacked: bool = 
         client = counter()
         seconds, micros = client.time()
         trips = read_wait(request).attempts
-        entry = f"{seconds * 1_000_000 + micros} {n} {request.retries} {trips}"
+        entry = f"{seconds * 1_000_000 + micros} {n} {request.retries} {trips} {request.hostname}"
         client.rpush(f"{prefix}:r:starts:{key}", entry)
 
     def counted(key: str, n: int, request: Any) -> None:

@@ -94,6 +94,14 @@ def _inverted(starts: list[Start]) -> float:
     return sum(a > b for a, b in pairs) / max(1, len(pairs))
 
 
+def _most_inverted_in_a_worker(starts: list[Start]) -> float:
+    """:func:`_inverted` of each worker's own runs, the largest. A worker books each run's
+    slot in the order the broker delivered it; across workers the order is the order in which
+    they booked, which a worker starved of CPU for a moment (a loaded CI host) delays."""
+    workers = {s.worker for s in starts}
+    return max(_inverted([s for s in starts if s.worker == worker]) for worker in workers)
+
+
 def test_bad_arguments_fail_at_decoration() -> None:
     def task(account_id: int) -> None: ...
 
@@ -273,8 +281,8 @@ def test_two_workers_hold_each_keys_rate(
     both at 20/s. Each key's admissions keep the rate exactly (at most 20 in any second), its
     starts within one (20 + burst 1); nothing fails with max_retries=0; refused runs are parked
     by admission (no trip through the broker); the cold key is done long before the hot one;
-    each key's runs start about in the order sent. (The hot key's 1.15 x its ideal is measured
-    by ``make bench-rate``: the time bounds here hold on a loaded CI machine.)"""
+    each worker's runs of a key start about in the order sent. (The hot key's 1.15 x its ideal
+    is measured by ``make bench-rate``: the time bounds here hold on a loaded CI machine.)"""
     hot, cold = f"hot-{uuid.uuid4().hex[:6]}", f"cold-{uuid.uuid4().hex[:6]}"
     tick = prefork_app.tasks["r.tick"]
     sent = [tick.delay(hot, n) for n in range(120)]
@@ -290,7 +298,7 @@ def test_two_workers_hold_each_keys_rate(
         assert _most_in_a_second([s.at for s in starts]) <= 21
         assert {s.retries for s in starts} == {0}
         assert sum(s.trips for s in starts) == 0, "a refused run went through the broker"
-        assert _inverted(starts) < 0.1, "runs started far from the order sent"
+        assert _most_inverted_in_a_worker(starts) < 0.1, "runs started far from the order sent"
     # Ideals: 5.95 s from the hot key's first start to its last, 1.45 s for the cold key.
     hot_span = hot_starts[-1].at - hot_starts[0].at
     assert hot_span < 2 * 5.95, f"hot key: {hot_span:.2f}s from its first start to its last"
