@@ -79,6 +79,8 @@ class Target:
     def line(self) -> str:
         op = "<=" if self.at_most else ">="
         value = "n/a" if self.value is None else f"{self.value:.{self.digits}f}"
+        if self.value is not None and not self.met and float(value) == self.bound:
+            value = f"{self.value:.{self.digits + 1}f}"  # a miss that rounding would hide
         verdict = {True: "MET", False: "MISSED", None: "n/a"}[self.met]
         return f"  {self.name + ' ' + op + ' ' + f'{self.bound:g}':<52}{value:>9}  {verdict}"
 
