@@ -424,3 +424,26 @@ def slot_semaphore(controller: Any) -> Any:
     ):
         return None
     return semaphore
+
+
+def release_after_callbacks(slots: Any, hub: Any, tasks: ParkedTasks) -> None:
+    """While any task is parked (in ``tasks``), the pool gives a finished task's slot back
+    one event-loop step later.
+
+    The pool gives the slot back just before it calls the task's callbacks; the slot would go
+    to the next task queued for one before admission hears of the run's end and wakes the
+    task parked first on its semaphore, which then waits for the slot after. One step later,
+    the woken task is first in the queue (:meth:`ParkingLot.resume`) and takes this slot.
+    """
+    if getattr(slots, "_redsem_deferred", False):
+        return
+    release = slots.release
+
+    def release_soon() -> None:
+        if len(tasks):
+            hub.call_soon(release)
+        else:
+            release()
+
+    slots.release = release_soon
+    slots._redsem_deferred = True

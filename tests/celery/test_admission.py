@@ -223,6 +223,38 @@ def test_tasks_behind_a_busy_key_are_parked_and_the_tasks_behind_them_run(
 
 
 @pytest.mark.slow
+def test_a_run_that_ends_gives_its_slot_to_the_next_task_parked_on_its_semaphore(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    """Two slots: ``first`` holds lock K in one, ``second`` (on K) is parked, ``filler``
+    (lock K2) holds the other slot, and ``other`` (a third key, sent last) waits for a slot.
+    When ``first`` ends, ``second`` takes its slot: the pool gives a slot back before the
+    run's end wakes the parked task, so admission has it given back a step later, and
+    ``other`` runs after ``second``, as sent."""
+    queue, prefix = f"hand-on-{key}", app.conf.redsem_key_prefix
+    lock, filler_lock = holder(app, f"long:{key}"), holder(app, f"long:{key}-2")
+    held_long, counter = app.tasks["t.held_long"], _counter(app)
+    with running_workers(redis_url, module_prefix, tmp_path, ["hand"], 2, "-Q", queue):
+        first = held_long.apply_async((key,), queue=queue)
+        wait_until(lambda: [h.permit_id for h in lock.state().holders] == [first.id], 20)
+        second = held_long.apply_async((key,), queue=queue)
+        wait_until(lambda: [w.permit_id for w in lock.state().waiters] == [second.id], 20)
+        filler = held_long.apply_async((f"{key}-2",), queue=queue)
+        wait_until(lambda: [h.permit_id for h in filler_lock.state().holders] == [filler.id], 20)
+        other = app.tasks["t.counted"].apply_async((f"{key}-3", 0.0), queue=queue)
+        inspect = app.control.inspect(timeout=1.0, destination=_nodes(["hand"]))
+        wait_until(lambda: other.id in _task_ids(inspect.reserved()), 20, what="other received")
+        counter.rpush(f"{prefix}:t:go:{key}", 1, 1)  # both runs on K end
+        assert [first.get(timeout=20), second.get(timeout=20)] == ["done", "done"]
+        other.get(timeout=20)
+        counter.rpush(f"{prefix}:t:go:{key}-2", 1)
+        assert filler.get(timeout=20) == "done"
+    done = {"second": second.date_done, "other": other.date_done}
+    assert None not in done.values(), done
+    assert done["second"] < done["other"], "the task on another key took the freed slot"
+
+
+@pytest.mark.slow
 def test_a_slow_key_function_is_left_to_the_pool_children(
     app: Celery, one_slot: OneSlot, key: str
 ) -> None:
