@@ -70,7 +70,6 @@ from celery_redsem.integration.parking import (
     longest_park,
     park_time,
     received_at,
-    release_after_callbacks,
 )
 from celery_redsem.integration.rate_guard import RateGuard
 from celery_redsem.integration.standby import (
@@ -276,7 +275,6 @@ class Admission:
             self._asks = asks_for(hub, client)
             if hub is not None and self.lot.slots is not None:
                 self.ahead.install(hub, self.lot.slots, self.process_task)
-                release_after_callbacks(self.lot.slots, hub, self.parked)
         return self._asks
 
     def _on_answer(self, asking: _Asking, then: _Then, answer: Answer) -> None:

@@ -274,9 +274,13 @@ class ParkingLot:
     @property
     def slots(self) -> Any:
         """The worker's slot semaphore (None: its pool has none, so nothing is parked),
-        looked up when the worker first dispatches (the pool makes it as it starts)."""
+        looked up when the worker first dispatches (the pool makes it as it starts). While
+        tasks are parked, it gives slots back a step later (:func:`release_after_callbacks`)."""
         if self._slots is _UNKNOWN:
             self._slots = slot_semaphore(self.controller)
+            hub = getattr(self.controller, "hub", None)
+            if self._slots is not None and hub is not None:
+                release_after_callbacks(self._slots, hub, self.tasks)
         return self._slots
 
     def park(self, parked: Parked, seconds: float, *, slot_taken: bool = True) -> None:
@@ -325,14 +329,11 @@ class ParkingLot:
         self.park(Parked(req, "{rate}", 0, 0, tries, None, delivered), seconds)
 
     def give_back_slot(self) -> None:
-        """Give back the pool slot taken for a request that does not go to the pool now."""
+        """Give back the pool slot taken for a request just parked: a step later, as every
+        slot while a task is parked (not now: it would go to the next task at once)."""
         semaphore = self.slots
         assert semaphore is not None
-        hub = getattr(self.controller, "hub", None)
-        if hub is not None:  # not now: release() may hand the slot to the next task at once
-            hub.call_soon(semaphore.release)
-        else:
-            semaphore.release()
+        semaphore.release()
 
     def resume(self, req: Any) -> None:
         """``req`` asks again, first in the slot queue."""
