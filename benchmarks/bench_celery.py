@@ -49,7 +49,8 @@ naive task's retries); ``deliv`` counts deliveries the workers received (``task_
 work-conserving FIFO dispatcher with W slots and limit L per key, the same send times and the
 measured mean body time: ``utilization`` = ideal makespan / real makespan, and ``p99 / ideal``
 compares wait percentiles (``n/a`` when the ideal p99 is under 1 ms). ``--dump PATH`` writes
-each phase's send times and body records to ``PATH.<broker>.<phase>.json`` for a closer look.
+each phase's send times and body records to ``PATH.<broker>.<phase>.json`` for a closer look
+(:mod:`benchmarks.dump_report` shows where a batch lost time).
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def make_app(
                 "end": end,
                 "retries": retries,
                 "pid": os.getpid(),
+                "worker": request.hostname,
                 "id": request.id,
             }
         )

@@ -1,0 +1,131 @@
+"""Where a Celery benchmark batch lost time: read the files ``bench_celery --dump`` wrote.
+
+``python -m benchmarks.dump_report PATH.redis.fair-0.json [PATH.redis.plain-0.json ...]``
+prints, for each batch:
+
+* **slot time**: per pool slot (a pool child), the mean idle time before its first run
+  (``start``), between its runs (``gaps``, with the median gap) and after its last run until the
+  batch's end (``tail``): what the makespan is made of beyond the bodies;
+* **behind the ideal**: how many fewer runs had started by each moment than under the ideal
+  work-conserving FIFO dispatcher the benchmark compares with (same send times, the limit,
+  the measured mean body time): where in the batch the lag builds up;
+* **hand-overs at the limit**: for each run that started as soon as another run of its key
+  freed a permit at the limit, the time from that run's end to this start, by where the two
+  ran: the same pool child, another child of the same worker, or another worker (for guarded
+  batches; in a plain batch nothing waits for a permit, and these are coincidences).
+
+``--slots`` and ``--limit`` describe the run (default: the ``mixed`` scenario's 16 and 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from benchmarks.scenarios import ideal_schedule
+
+Record = dict[str, Any]
+
+#: Moments (seconds after the first send) at which the lag behind the ideal is reported.
+LAG_AT = (0.1, 0.2, 0.3, 0.6, 0.9, 1.2)
+
+
+def slot_time(records: list[Record], first_sent: float) -> str:
+    """Mean idle milliseconds per pool slot before, between and after its runs."""
+    end = max(r["end"] for r in records)
+    by_slot: dict[Any, list[Record]] = defaultdict(list)
+    for r in records:
+        by_slot[(r.get("worker"), r["pid"])].append(r)
+    start = tail = 0.0
+    gaps: list[float] = []
+    for runs in by_slot.values():
+        runs.sort(key=lambda r: r["start"])
+        start += runs[0]["start"] - first_sent
+        tail += end - runs[-1]["end"]
+        gaps += [b["start"] - a["end"] for a, b in itertools.pairwise(runs)]
+    n = len(by_slot)
+    median = statistics.median(gaps) if gaps else 0.0
+    return (
+        f"slot time (ms per slot, {n} slots): start {start / n * 1000:.1f}, gaps "
+        f"{sum(gaps) / n * 1000:.1f} (median gap {median * 1000:.2f}), tail {tail / n * 1000:.1f}"
+    )
+
+
+def behind_ideal(dump: dict[str, Any], slots: int, limit: int) -> str:
+    """Runs started by each of :data:`LAG_AT` under the ideal, minus those that started."""
+    sent, keys, records = dump["sent"], dump["keys"], dump["records"]
+    first = min(sent)
+    body = statistics.fmean(r["end"] - r["start"] for r in records)
+    ideal = ideal_schedule([s - first for s in sent], keys, slots, limit, body)
+    cells = []
+    for at in LAG_AT:
+        started = sum(1 for r in records if r["start"] - first <= at)
+        cells.append(f"{at:.1f}s {sum(1 for s in ideal if s <= at) - started:+d}")
+    return "runs behind the ideal: " + ", ".join(cells)
+
+
+def hand_overs(records: list[Record], limit: int) -> str:
+    """Milliseconds from a run's end to the start of the next run of its key it made room for."""
+    by_place: dict[str, list[float]] = defaultdict(list)
+    by_key: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        by_key[r["key"]].append(r)
+    for runs in by_key.values():
+        for r in runs:
+            ended = [p for p in runs if p["end"] <= r["start"]]
+            if not ended:
+                continue
+            freed = max(ended, key=lambda p: p["end"])  # the last run of its key to end first
+            live = sum(1 for p in runs if p["start"] < r["start"] < p["end"])
+            at_limit = sum(1 for p in runs if p["start"] < freed["end"] <= p["end"])
+            if r["sent"] >= freed["end"] or live != limit - 1 or at_limit < limit:
+                continue  # not waiting then, or not for the permit that run freed
+            by_place[_place(freed, r)].append(r["start"] - freed["end"])
+    cells = []
+    for place in ("same child", "same worker", "other worker"):
+        waits = by_place.get(place, [])
+        if waits:
+            cells.append(
+                f"{place} {len(waits)} (median {statistics.median(waits) * 1000:.1f}, "
+                f"sum {sum(waits) * 1000:.0f})"
+            )
+    return "hand-overs at the limit (ms): " + ("; ".join(cells) or "none")
+
+
+def _place(freed: Record, started: Record) -> str:
+    if freed.get("worker") != started.get("worker"):
+        return "other worker"
+    return "same child" if freed["pid"] == started["pid"] else "same worker"
+
+
+def report(path: str, slots: int, limit: int) -> None:
+    with open(path) as f:
+        dump = json.load(f)
+    records = dump["records"]
+    first = min(dump["sent"])
+    makespan = max(r["end"] for r in records) - first
+    print(f"{path}: {len(records)} runs, makespan {makespan:.3f}s")
+    for line in (
+        slot_time(records, first),
+        behind_ideal(dump, slots, limit),
+        hand_overs(records, limit),
+    ):
+        print(f"  {line}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="files bench_celery --dump wrote")
+    parser.add_argument("--slots", type=int, default=16, help="pool slots in all (default 16)")
+    parser.add_argument("--limit", type=int, default=3, help="the per-key limit (default 3)")
+    args = parser.parse_args()
+    for path in args.paths:
+        report(path, args.slots, args.limit)
+
+
+if __name__ == "__main__":
+    main()

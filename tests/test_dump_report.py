@@ -1,0 +1,55 @@
+"""The benchmark dump report's arithmetic, on a hand-made batch whose answers are known."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.dump_report import behind_ideal, hand_overs, slot_time
+
+
+def _run(key: str, sent: float, start: float, end: float, pid: int, worker: str) -> dict[str, Any]:
+    return {"key": key, "sent": sent, "start": start, "end": end, "pid": pid, "worker": worker}
+
+
+# Limit 1 on key "a", three runs of 80 ms, all sent at 0: the second starts 30 ms after the
+# first ends, on another worker; the third 2 ms after the second ends, in the same child. Key
+# "b" runs once, in a second slot of the first worker.
+RUNS = [
+    _run("a", 0.0, 0.000, 0.080, 1, "w1"),
+    _run("a", 0.0, 0.110, 0.190, 3, "w2"),
+    _run("a", 0.0, 0.192, 0.272, 3, "w2"),
+    _run("b", 0.0, 0.005, 0.085, 2, "w1"),
+]
+
+
+def test_slot_time_splits_idle_time_into_start_gaps_and_tail() -> None:
+    line = slot_time(RUNS, 0.0)
+    # Slots: (w1, 1) start 0, tail 192 ms; (w1, 2) start 5, tail 187; (w2, 3) start 110,
+    # one gap of 2, tail 0. Means over the 3 slots: start 38.3, gaps 0.7, tail 126.3.
+    assert line == (
+        "slot time (ms per slot, 3 slots): start 38.3, gaps 0.7 (median gap 2.00), tail 126.3"
+    )
+
+
+def test_hand_overs_at_the_limit_are_told_apart_by_where_the_runs_were() -> None:
+    line = hand_overs(RUNS, limit=1)
+    assert line == (
+        "hand-overs at the limit (ms): same child 1 (median 2.0, sum 2); "
+        "other worker 1 (median 30.0, sum 30)"
+    )
+
+
+def test_a_run_that_found_a_permit_free_is_no_hand_over() -> None:
+    assert hand_overs(RUNS, limit=2) == "hand-overs at the limit (ms): none"
+
+
+def test_runs_behind_the_ideal_count_the_starts_the_ideal_made_earlier() -> None:
+    dump = {
+        "sent": [r["sent"] for r in RUNS],
+        "keys": [r["key"] for r in RUNS],
+        "records": RUNS,
+    }
+    # The ideal (2 slots, limit 1, bodies of 80 ms) starts a and b at 0, then a at 0.08 and
+    # 0.16: by 0.1 s it started 3 runs (the real batch 2), by 0.2 s all 4 (so did the batch).
+    line = behind_ideal(dump, slots=2, limit=1)
+    assert line.startswith("runs behind the ideal: 0.1s +1, 0.2s +0, 0.3s +0, ")
