@@ -71,7 +71,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_received, worker_shutdown
+from celery.signals import task_postrun, task_prerun, task_received, worker_shutdown
 
 from benchmarks._brokers import AMQP_URL, Broker
 from celery_redsem import FairSemaphore, Permit, get_client, with_semaphore
@@ -87,6 +87,7 @@ ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_LIMIT, ENV_TAG = (
 )
 ENV_NAIVE_COUNTDOWN = "REDSEM_BENCH_NAIVE_COUNTDOWN"
 ENV_SETTINGS = "REDSEM_BENCH_SETTINGS"
+ENV_STAMPS = "REDSEM_BENCH_STAMPS"
 
 _ENTER = """
 local c = redis.call('INCR', KEYS[1])
@@ -142,19 +143,18 @@ def make_app(
         end = time.time()
         wait = getattr(request, WAIT_HEADER, None) or (request.headers or {}).get(WAIT_HEADER)
         retries = (wait or [0])[0] if mode == "fair" else request.retries
-        record = json.dumps(
-            {
-                "key": key,
-                "sent": sent,
-                "start": start,
-                "end": end,
-                "retries": retries,
-                "pid": os.getpid(),
-                "worker": request.hostname,
-                "id": request.id,
-            }
-        )
-        client().rpush(f"{prefix}:b:{tag}:done", record)
+        record = {
+            "key": key,
+            "sent": sent,
+            "start": start,
+            "end": end,
+            "retries": retries,
+            "pid": os.getpid(),
+            "worker": request.hostname,
+            "id": request.id,
+        }
+        record.update(child_stamps.take(request.id))
+        client().rpush(f"{prefix}:b:{tag}:done", json.dumps(record))
 
     @app.task(shared=False, bind=True, name="bench.fair")
     @with_semaphore(limit=limit, key=lambda key: f"fair:{key}")
@@ -183,6 +183,44 @@ def make_app(
             sem.release(permit)
 
     return app
+
+
+class ChildStamps:
+    """In a pool child, with :data:`ENV_STAMPS` set (``--dump``): when Celery began each task
+    (``task_prerun``) and finished the one before (``task_postrun``), for the next record.
+
+    A record is pushed from inside its body, before its own ``task_postrun``; so each record
+    carries the previous run's ``postrun`` in this process (``prev``, with its id): no extra
+    round trip, and nothing else on the task's path but two signal receivers.
+    """
+
+    def __init__(self) -> None:
+        self.prerun: dict[str, float] = {}
+        self.postrun: tuple[str, float] | None = None
+
+    def connect(self) -> None:
+        task_prerun.connect(self._on_prerun, weak=False, dispatch_uid=f"{__name__}.prerun")
+        task_postrun.connect(self._on_postrun, weak=False, dispatch_uid=f"{__name__}.postrun")
+
+    def _on_prerun(self, task_id: str = "", **_: Any) -> None:
+        self.prerun[task_id] = time.time()
+
+    def _on_postrun(self, task_id: str = "", **_: Any) -> None:
+        self.postrun = (task_id, time.time())
+
+    def take(self, task_id: str) -> dict[str, Any]:
+        """The stamps to add to ``task_id``'s record (none unless connected)."""
+        stamps: dict[str, Any] = {}
+        prerun = self.prerun.pop(task_id, None)
+        if prerun is not None:
+            stamps["prerun"] = prerun
+        if self.postrun is not None:
+            stamps["prev"] = list(self.postrun)
+            self.postrun = None
+        return stamps
+
+
+child_stamps = ChildStamps()
 
 
 def count_deliveries(url: str, prefix: str, tag: str) -> None:
@@ -223,6 +261,8 @@ if os.environ.get(ENV_URL):  # imported by `celery -A benchmarks.bench_celery wo
         os.environ.get(ENV_BROKER),
     )
     count_deliveries(os.environ[ENV_URL], os.environ[ENV_PREFIX], os.environ.get(ENV_TAG, "-"))
+    if os.environ.get(ENV_STAMPS):
+        child_stamps.connect()
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -280,6 +320,7 @@ def start_workers(
         ENV_TAG: tag,
         ENV_NAIVE_COUNTDOWN: str(args.naive_countdown),
         ENV_SETTINGS: json.dumps(args.settings),
+        ENV_STAMPS: "1" if args.dump else "",
         "PYTHONPATH": str(ROOT),
     }
     procs = []

@@ -9,6 +9,12 @@ prints, for each batch:
 * **behind the ideal**: how many fewer runs had started by each moment than under the ideal
   work-conserving FIFO dispatcher the benchmark compares with (same send times, the limit,
   the measured mean body time): where in the batch the lag builds up;
+* **between two runs in one child** (dumps whose records carry the child's stamps): the
+  gaps split into the time in the child after a body (up to Celery's ``task_postrun``: for a
+  guarded task, the release), outside the child (its result reaching the worker's main
+  process, which frees the slot and sends the next task, and that task reaching the child),
+  and in the child before the next body (from ``task_prerun``: for a guarded task, taking the
+  grant over, or waiting for the permit there);
 * **hand-overs at the limit**: for each run that started as soon as another run of its key
   freed a permit at the limit, the time from that run's end to this start, by where the two
   ran: the same pool child, another child of the same worker, or another worker (for guarded
@@ -53,6 +59,37 @@ def slot_time(records: list[Record], first_sent: float) -> str:
         f"slot time (ms per slot, {n} slots): start {start / n * 1000:.1f}, gaps "
         f"{sum(gaps) / n * 1000:.1f} (median gap {median * 1000:.2f}), tail {tail / n * 1000:.1f}"
     )
+
+
+def child_split(records: list[Record]) -> str | None:
+    """Milliseconds per slot (and medians) of the gaps in one child: after the body, outside
+    the child, before the next body; None when the records carry no stamps."""
+    by_slot: dict[Any, list[Record]] = defaultdict(list)
+    for r in records:
+        by_slot[(r.get("worker"), r["pid"])].append(r)
+    parts: dict[str, list[float]] = {"after": [], "outside": [], "before": []}
+    for runs in by_slot.values():
+        runs.sort(key=lambda r: r["start"])
+        for a, b in itertools.pairwise(runs):
+            prev = b.get("prev")
+            if "prerun" not in b or not prev or prev[0] != a.get("id"):
+                continue
+            postrun = prev[1]
+            parts["after"].append(postrun - a["end"])
+            parts["outside"].append(b["prerun"] - postrun)
+            parts["before"].append(b["start"] - b["prerun"])
+    if not parts["after"]:
+        return None
+    n = len(by_slot)
+    cells = [
+        f"{name} {sum(xs) / n * 1000:.1f} (median {statistics.median(xs) * 1000:.2f})"
+        for name, xs in (
+            ("after the body", parts["after"]),
+            ("outside the child", parts["outside"]),
+            ("before the next body", parts["before"]),
+        )
+    ]
+    return f"gaps in one child (ms per slot, {len(parts['after'])} gaps): " + ", ".join(cells)
 
 
 def behind_ideal(dump: dict[str, Any], slots: int, limit: int) -> str:
@@ -111,10 +148,12 @@ def report(path: str, slots: int, limit: int) -> None:
     print(f"{path}: {len(records)} runs, makespan {makespan:.3f}s")
     for line in (
         slot_time(records, first),
+        child_split(records),
         behind_ideal(dump, slots, limit),
         hand_overs(records, limit),
     ):
-        print(f"  {line}")
+        if line is not None:
+            print(f"  {line}")
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.dump_report import behind_ideal, hand_overs, slot_time
+from benchmarks.dump_report import behind_ideal, child_split, hand_overs, slot_time
 
 
 def _run(key: str, sent: float, start: float, end: float, pid: int, worker: str) -> dict[str, Any]:
@@ -53,3 +53,35 @@ def test_runs_behind_the_ideal_count_the_starts_the_ideal_made_earlier() -> None
     # 0.16: by 0.1 s it started 3 runs (the real batch 2), by 0.2 s all 4 (so did the batch).
     line = behind_ideal(dump, slots=2, limit=1)
     assert line.startswith("runs behind the ideal: 0.1s +1, 0.2s +0, 0.3s +0, ")
+
+
+def test_gaps_in_one_child_split_at_the_childs_stamps() -> None:
+    # One child runs "a" then "b": a's body ends at 0.080, Celery ends a (task_postrun) at
+    # 0.081, b begins (task_prerun) at 0.084 and its body at 0.085. A second child's
+    # record names a previous run that is not in the batch: its gap is left out.
+    first = {**_run("a", 0.0, 0.000, 0.080, 1, "w1"), "id": "t.1"}
+    second = {
+        **_run("b", 0.0, 0.085, 0.160, 1, "w1"),
+        "id": "t.2",
+        "prerun": 0.084,
+        "prev": ["t.1", 0.081],
+    }
+    other = [
+        {**_run("c", 0.0, 0.000, 0.080, 2, "w1"), "id": "t.3"},
+        {
+            **_run("c", 0.0, 0.090, 0.170, 2, "w1"),
+            "id": "t.4",
+            "prerun": 0.089,
+            "prev": ["warm.1", 0.082],
+        },
+    ]
+    line = child_split([first, second, *other])
+    # After 1 ms, outside 3 ms, before 1 ms: per slot (2 slots) 0.5, 1.5 and 0.5.
+    assert line == (
+        "gaps in one child (ms per slot, 1 gaps): after the body 0.5 (median 1.00), "
+        "outside the child 1.5 (median 3.00), before the next body 0.5 (median 1.00)"
+    )
+
+
+def test_records_without_stamps_give_no_split() -> None:
+    assert child_split(RUNS) is None
