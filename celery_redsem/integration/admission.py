@@ -52,7 +52,7 @@ from celery_redsem.core.errors import BackendError
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit, Waiting
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.integration.ahead import HELD_WAITING_FRESH, AskAhead
+from celery_redsem.integration.ahead import HELD_WAITING_FRESH, AskAhead, unwritten_tasks
 from celery_redsem.integration.asking import Answer, Asks, WaitingAsks, asks_for
 from celery_redsem.integration.backoff import hold_times
 from celery_redsem.integration.config import RedsemConfig, get_client, get_config
@@ -274,7 +274,8 @@ class Admission:
             hub = getattr(self.controller, "hub", None)
             self._asks = asks_for(hub, client)
             if hub is not None and self.lot.slots is not None:
-                self.ahead.install(hub, self.lot.slots, self.process_task)
+                writes = partial(unwritten_tasks, self.controller)
+                self.ahead.install(hub, self.lot.slots, self.process_task, writes)
         return self._asks
 
     def _on_answer(self, asking: _Asking, then: _Then, answer: Answer) -> None:

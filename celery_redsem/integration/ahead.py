@@ -7,7 +7,9 @@ busy host, several milliseconds per task. :class:`AskAhead` looks, on every turn
 loop, at the first :data:`ASK_AHEAD` tasks queued for a slot and has admission send their
 asks right away. The answer is kept until the task takes its slot, and admission acts on it
 then, exactly as on the answer to an ask sent at that moment (so a task is dispatched, parked
-or made the standby only once it holds a slot).
+or made the standby only once it holds a slot). Tasks just handed to the pool come first: while
+the pool has some not yet written to their children, the asks wait a turn of the loop, as that
+turn's poll writes them (asks sent first would make every one of those tasks start later).
 
 A task whose answer says it waits is parked from the queue without ever taking a slot
 (:meth:`AskAhead.unqueue`). A parked task resuming while a slot is free is put first in the
@@ -38,6 +40,7 @@ __all__ = [
     "SLOT_SOON",
     "SWEEP_EVERY",
     "AskAhead",
+    "unwritten_tasks",
 ]
 
 #: How many tasks at the head of the slot queue have their permits asked for ahead.
@@ -53,6 +56,17 @@ HELD_FOR_AT_MOST = 0.5
 HELD_WAITING_FRESH = 0.25
 
 A = TypeVar("A")
+
+
+def _never() -> bool:
+    return False
+
+
+def unwritten_tasks(controller: Any) -> bool:
+    """Whether a worker's prefork pool holds tasks not yet written to their children (its
+    ``AsynPool``'s outbound buffer; False for any other pool)."""
+    pool = getattr(getattr(controller, "pool", None), "_pool", None)
+    return bool(getattr(pool, "outbound_buffer", None))
 
 
 class AskAhead(Generic[A]):
@@ -81,13 +95,27 @@ class AskAhead(Generic[A]):
         self._held_for_at_most = held_for_at_most
         self._handed_at = 0.0  # when the latest slot was handed out (monotonic)
         self._gap = math.inf  # the average time between two slots handed out
+        self._writes_pending: Callable[[], bool] = _never
+        #: When asks were put off until the pool's writes are out (monotonic; 0.0: they are
+        #: not). A put-off older than :data:`SWEEP_EVERY` was lost with its event loop.
+        self._put_off_at = 0.0
 
-    def install(self, hub: Any, slots: Any, process_task: Callable[[Any], Any]) -> None:
+    def install(
+        self,
+        hub: Any,
+        slots: Any,
+        process_task: Callable[[Any], Any],
+        writes_pending: Callable[[], bool] = _never,
+    ) -> None:
         """Look at ``slots``' queue (a kombu ``LaxBoundedSemaphore``) for requests queued with
-        ``process_task``, on every turn of ``hub`` (idempotent)."""
+        ``process_task``, on every turn of ``hub`` (idempotent). While ``writes_pending()``
+        (tasks handed to the pool and not yet written to their children), asks wait until
+        those writes are out: the turn's poll returns at once for them, and asks sent first
+        would delay every task the pool is about to start."""
         if self._hub is hub:
             return
         self._hub, self._slots, self._process_task = hub, slots, process_task
+        self._writes_pending = writes_pending
         hub.on_tick.add(self._on_tick)
         hub.on_close.add(self._on_close)
         hub.timer.call_repeatedly(SWEEP_EVERY, self.sweep)
@@ -160,6 +188,26 @@ class AskAhead(Generic[A]):
     def _on_tick(self) -> None:
         if not self._slots._waiting or not self._slots_free_soon():
             return
+        if self._put_off_at:
+            if time.monotonic() - self._put_off_at < SWEEP_EVERY:
+                return
+            self._put_off_at = 0.0
+        if self._writes_pending():
+            self._put_off_at = time.monotonic()
+            self._hub.call_soon(self._ask_after_writes)
+            return
+        self._ask_queued()
+
+    def _ask_after_writes(self) -> None:
+        """The asks put off by :meth:`_on_tick`, a turn of the loop later (the pool's writes
+        went out in between); none if the loop closed meanwhile."""
+        if not self._put_off_at:
+            return
+        self._put_off_at = 0.0
+        if self._slots._waiting:
+            self._ask_queued()
+
+    def _ask_queued(self) -> None:
         for _ in range(ASK_AHEAD):  # (the queue is read afresh each time: an ask may move it)
             req = self._next_to_ask()
             if req is None:
@@ -206,6 +254,7 @@ class AskAhead(Generic[A]):
     def _on_close(self, *_: Any) -> None:
         """The event loop closes or resets (a lost broker connection): every queued task's
         message will be delivered again, so every ask sent ahead is given up."""
+        self._put_off_at = 0.0  # (asks put off until after the pool's writes: none now)
         asked, self._asked = self._asked, {}
         for _asked_at, value in asked.values():
             if value is not None:

@@ -10,16 +10,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery import Celery
+from celery.concurrency.prefork import TaskPool
 from kombu import Connection
 from kombu.asynchronous import Hub
 from kombu.asynchronous.semaphore import LaxBoundedSemaphore
 from kombu.common import QoS
 
-from celery_redsem.integration.ahead import ASK_AHEAD, HELD_FOR_AT_MOST, AskAhead
+from celery_redsem.integration.ahead import (
+    ASK_AHEAD,
+    HELD_FOR_AT_MOST,
+    AskAhead,
+    unwritten_tasks,
+)
 from celery_redsem.integration.parking import (
     WINDOW_STEP,
     Parked,
@@ -222,6 +229,48 @@ def test_every_ask_is_given_up_when_the_event_loop_resets(hub: Hub) -> None:
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
     hub.reset()  # what a broker reconnection does to the worker's loop
     assert len(recorder.dropped) == ASK_AHEAD
+
+
+def test_asks_wait_a_turn_while_the_pool_has_tasks_to_write_to_its_children(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    reqs = _queued(slots, _ignore, 3)
+    unwritten = ["a task handed to the pool"]
+    ahead.install(hub, slots, _ignore, writes_pending=lambda: bool(unwritten))
+    turn(hub, 1)  # this turn's poll writes the task to its child: nothing is asked before it
+    assert recorder.asked == []
+    unwritten.clear()
+    turn(hub, 1)  # the next turn asks, before it polls
+    assert recorder.asked == reqs[:ASK_AHEAD]
+
+
+def test_asks_put_off_for_the_pools_writes_are_not_sent_once_the_loop_closes(hub: Hub) -> None:
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    _queued(slots, _ignore, 3)
+    ahead.install(hub, slots, _ignore, writes_pending=lambda: True)
+    turn(hub, 1)
+    hub.reset()  # (runs the callbacks it had queued, after telling AskAhead it closed)
+    assert recorder.asked == []
+
+
+def test_a_prefork_pools_unwritten_tasks_are_seen_where_celery_keeps_them() -> None:
+    # The pool a prefork worker runs (Celery's TaskPool over billiard's AsynPool), started for
+    # real: a rename in Celery would turn the wait for its writes off without a word.
+    app = Celery("unwritten", broker="memory://", set_as_current=False)
+    pool = TaskPool(limit=1, threads=False, app=app, initargs=(app, "unwritten@test"))
+    pool.start()
+    try:
+        worker = SimpleNamespace(pool=pool)  # (what unwritten_tasks reads of the worker)
+        assert unwritten_tasks(worker) is False
+        pool._pool.outbound_buffer.append("a task handed to the pool")
+        assert unwritten_tasks(worker) is True
+        pool._pool.outbound_buffer.clear()
+    finally:
+        pool.stop()
+    assert unwritten_tasks(SimpleNamespace(pool=None)) is False  # solo, threads, ...
 
 
 def test_nothing_is_asked_ahead_while_slots_free_slowly(hub: Hub) -> None:
