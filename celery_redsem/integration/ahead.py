@@ -4,8 +4,8 @@ Admission asks for a guarded task's permit when the task takes a pool slot
 (:mod:`~celery_redsem.integration.admission`), so the ask's round trip, and the time the
 worker's event loop takes to read its answer, would be slot time in which nothing runs: on a
 busy host, several milliseconds per task. :class:`AskAhead` looks, on every turn of the event
-loop, at the first :data:`ASK_AHEAD` tasks queued for a slot and has admission send their
-asks right away. The answer is kept until the task takes its slot, and admission acts on it
+loop, at the first :data:`ASK_AHEAD` task queued for a slot and has admission send its ask
+right away. The answer is kept until the task takes its slot, and admission acts on it
 then, exactly as on the answer to an ask sent at that moment (so a task is dispatched, parked
 or made the standby only once it holds a slot). Tasks just handed to the pool come first: while
 the pool has some not yet written to their children, the asks wait a turn of the loop, as that
@@ -18,8 +18,8 @@ it takes a free slot once granted (:meth:`AskAhead.claim_slot`), else the next o
 
 What this costs: a permit granted ahead is held for the moments until a slot frees. So it is
 asked for only while slots turn over quickly (one handed out within the last
-:data:`SLOT_SOON` seconds, and about every ``SLOT_SOON / ASK_AHEAD`` seconds of late), and
-only for the first tasks in the queue. A grant still waiting for its slot after
+:data:`SLOT_SOON` seconds, and about every ``SLOT_SOON / 2`` seconds of late), and only for
+the first task in the queue. A grant still waiting for its slot after
 :data:`HELD_FOR_AT_MOST` seconds is given back (a worker whose slots are held by long runs
 keeps no permit idle), and so is a grant to a task that will not take a slot here (the broker
 connection was lost, the worker stops: the slot queue is cleared): at once when the event
@@ -43,9 +43,12 @@ __all__ = [
     "unwritten_tasks",
 ]
 
-#: How many tasks at the head of the slot queue have their permits asked for ahead.
-ASK_AHEAD = 2
-#: Asks go out ahead only while the worker hands out pool slots about this often (seconds).
+#: How many tasks at the head of the slot queue have their permits asked for ahead. One: the
+#: grant of a second would be held idle for a whole slot turnover more, a permit a task of
+#: the same key elsewhere could be running on (2 made the ``mixed`` benchmark slower).
+ASK_AHEAD = 1
+#: Asks go out ahead only while the worker hands out pool slots within this (seconds), and
+#: on average about twice as often.
 SLOT_SOON = 0.25
 #: How often (seconds) asks of tasks gone from the slot queue, or kept too long, are looked for.
 SWEEP_EVERY = 0.25
@@ -131,7 +134,7 @@ class AskAhead(Generic[A]):
 
     def _slots_free_soon(self) -> bool:
         """Whether pool slots are being handed out often enough to ask ahead."""
-        return time.monotonic() - self._handed_at < SLOT_SOON and self._gap * ASK_AHEAD < SLOT_SOON
+        return time.monotonic() - self._handed_at < SLOT_SOON and self._gap * 2 < SLOT_SOON
 
     def sent(self, req: Any, asked: A) -> None:
         """``ask`` is about to send ``asked`` for ``req``: from now on the task takes it with
