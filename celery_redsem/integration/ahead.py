@@ -100,7 +100,9 @@ class AskAhead(Generic[A]):
         self._gap = math.inf  # the average time between two slots handed out
         self._writes_pending: Callable[[], bool] = _never
         #: When asks were put off until the pool's writes are out (monotonic; 0.0: they are
-        #: not). A put-off older than :data:`SWEEP_EVERY` was lost with its event loop.
+        #: not). They go out at the start of the loop's next turn, once its poll returns: at
+        #: once when a child can take a write, else at the next event or timer (the sweep's,
+        #: within :data:`SWEEP_EVERY`); one still waiting after that is not waited for.
         self._put_off_at = 0.0
 
     def install(
