@@ -90,7 +90,10 @@ def test_limit_holds_across_workers_without_contention_retries(
     results = [app.tasks["t.counted"].delay(key, 0.1) for _ in range(10)]
     outs = [r.get(timeout=60) for r in results]
     prefix = app.conf.redsem_key_prefix
-    assert int(_counter(app).get(f"{prefix}:t:max:{key}") or 0) == 3  # reached, never passed
+    # Never passed; reached where the tasks were spread over both workers (a worker that took
+    # all ten, the other slow to fetch on a loaded host, runs 2 at a time: its slots). That the
+    # limit is reached across workers is test_workers' check, with 40 tasks.
+    assert 2 <= int(_counter(app).get(f"{prefix}:t:max:{key}") or 0) <= 3
     assert int(_counter(app).get(f"{prefix}:t:cur:{key}") or 0) == 0
     # 4 slots, limit 3: tasks were contended, and waited parked, never through a retry.
     assert all(out["contention_retries"] == 0 and out["retries"] == 0 for out in outs)
