@@ -40,20 +40,25 @@ Record = dict[str, Any]
 LAG_AT = (0.1, 0.2, 0.3, 0.6, 0.9, 1.2)
 
 
-def slot_time(records: list[Record], first_sent: float) -> str:
-    """Mean idle milliseconds per pool slot before, between and after its runs."""
-    end = max(r["end"] for r in records)
+def runs_by_slot(records: list[Record]) -> list[list[Record]]:
+    """The runs of each pool slot (a worker's child), in the order they started."""
     by_slot: dict[Any, list[Record]] = defaultdict(list)
     for r in records:
         by_slot[(r.get("worker"), r["pid"])].append(r)
+    return [sorted(runs, key=lambda r: r["start"]) for runs in by_slot.values()]
+
+
+def slot_time(records: list[Record], first_sent: float) -> str:
+    """Mean idle milliseconds per pool slot before, between and after its runs."""
+    end = max(r["end"] for r in records)
+    slots = runs_by_slot(records)
     start = tail = 0.0
     gaps: list[float] = []
-    for runs in by_slot.values():
-        runs.sort(key=lambda r: r["start"])
+    for runs in slots:
         start += runs[0]["start"] - first_sent
         tail += end - runs[-1]["end"]
         gaps += [b["start"] - a["end"] for a, b in itertools.pairwise(runs)]
-    n = len(by_slot)
+    n = len(slots)
     median = statistics.median(gaps) if gaps else 0.0
     return (
         f"slot time (ms per slot, {n} slots): start {start / n * 1000:.1f}, gaps "
@@ -64,12 +69,9 @@ def slot_time(records: list[Record], first_sent: float) -> str:
 def child_split(records: list[Record]) -> str | None:
     """Milliseconds per slot (and medians) of the gaps in one child: after the body, outside
     the child, before the next body; None when the records carry no stamps."""
-    by_slot: dict[Any, list[Record]] = defaultdict(list)
-    for r in records:
-        by_slot[(r.get("worker"), r["pid"])].append(r)
+    slots = runs_by_slot(records)
     parts: dict[str, list[float]] = {"after": [], "outside": [], "before": []}
-    for runs in by_slot.values():
-        runs.sort(key=lambda r: r["start"])
+    for runs in slots:
         for a, b in itertools.pairwise(runs):
             prev = b.get("prev")
             if "prerun" not in b or not prev or prev[0] != a.get("id"):
@@ -80,7 +82,7 @@ def child_split(records: list[Record]) -> str | None:
             parts["before"].append(b["start"] - b["prerun"])
     if not parts["after"]:
         return None
-    n = len(by_slot)
+    n = len(slots)
     cells = [
         f"{name} {sum(xs) / n * 1000:.1f} (median {statistics.median(xs) * 1000:.2f})"
         for name, xs in (
