@@ -15,6 +15,9 @@ prints, for each batch:
   process, which frees the slot and sends the next task, and that task reaching the child),
   and in the child before the next body (from ``task_prerun``: for a guarded task, taking the
   grant over, or waiting for the permit there);
+* **behind the other batch** (with ``--against OTHER``): how many fewer runs had started by
+  each moment than in ``OTHER``, a batch of the same tasks run otherwise (the ``plain`` batch
+  of the same round): when the lag between the two builds up, and whether it keeps growing;
 * **hand-overs at the limit**: for each run that started as soon as another run of its key
   freed a permit at the limit, the time from that run's end to this start, by where the two
   ran: the same pool child, another child of the same worker, or another worker (for guarded
@@ -107,6 +110,18 @@ def behind_ideal(dump: dict[str, Any], slots: int, limit: int) -> str:
     return "runs behind the ideal: " + ", ".join(cells)
 
 
+def behind_batch(dump: dict[str, Any], other: dict[str, Any]) -> str:
+    """Runs ``other`` (a batch of the same tasks, such as the plain one of the same round) had
+    started by each of :data:`LAG_AT` after its first send, minus those ``dump``'s had."""
+
+    def started(batch: dict[str, Any], at: float) -> int:
+        first = min(batch["sent"])
+        return sum(1 for r in batch["records"] if r["start"] - first <= at)
+
+    cells = [f"{at:.1f}s {started(other, at) - started(dump, at):+d}" for at in LAG_AT]
+    return "runs behind the other batch: " + ", ".join(cells)
+
+
 def hand_overs(records: list[Record], limit: int) -> str:
     """Milliseconds from a run's end to the start of the next run of its key it made room for."""
     by_place: dict[str, list[float]] = defaultdict(list)
@@ -141,9 +156,14 @@ def _place(freed: Record, started: Record) -> str:
     return "same child" if freed["pid"] == started["pid"] else "same worker"
 
 
-def report(path: str, slots: int, limit: int) -> None:
+def _load(path: str) -> dict[str, Any]:
     with open(path) as f:
-        dump = json.load(f)
+        loaded: dict[str, Any] = json.load(f)
+    return loaded
+
+
+def report(path: str, slots: int, limit: int, against: str | None = None) -> None:
+    dump = _load(path)
     records = dump["records"]
     first = min(dump["sent"])
     makespan = max(r["end"] for r in records) - first
@@ -153,6 +173,7 @@ def report(path: str, slots: int, limit: int) -> None:
         child_split(records),
         behind_ideal(dump, slots, limit),
         hand_overs(records, limit),
+        behind_batch(dump, _load(against)) if against else None,
     ):
         if line is not None:
             print(f"  {line}")
@@ -163,9 +184,15 @@ def main() -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files bench_celery --dump wrote")
     parser.add_argument("--slots", type=int, default=16, help="pool slots in all (default 16)")
     parser.add_argument("--limit", type=int, default=3, help="the per-key limit (default 3)")
+    parser.add_argument(
+        "--against",
+        metavar="OTHER",
+        help="a dump of the same tasks run otherwise (the plain batch of the same round): how "
+        "many runs each batch is behind it, over time",
+    )
     args = parser.parse_args()
     for path in args.paths:
-        report(path, args.slots, args.limit)
+        report(path, args.slots, args.limit, args.against)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.dump_report import behind_ideal, child_split, hand_overs, slot_time
+from benchmarks.dump_report import (
+    behind_batch,
+    behind_ideal,
+    child_split,
+    hand_overs,
+    slot_time,
+)
 
 
 def _run(key: str, sent: float, start: float, end: float, pid: int, worker: str) -> dict[str, Any]:
@@ -85,3 +91,24 @@ def test_gaps_in_one_child_split_at_the_childs_stamps() -> None:
 
 def test_records_without_stamps_give_no_split() -> None:
     assert child_split(RUNS) is None
+
+
+def test_runs_behind_another_batch_count_from_each_batchs_first_send() -> None:
+    # The other batch (sent from 10.0) started runs at +0.05, +0.15 and +0.25 s; this one
+    # (sent from 0.0) at 0.05, 0.25 and 0.5: one behind at 0.2 s and 0.3 s, and from 0.6 s
+    # on both started all three.
+    this = {
+        "sent": [0.0, 0.0, 0.0],
+        "records": [_run("a", 0.0, t, t + 0.05, 1, "w1") for t in (0.05, 0.25, 0.5)],
+    }
+    other = {
+        "sent": [10.0, 10.0, 10.0],
+        "records": [_run("a", 10.0, 10.0 + t, 10.05 + t, 1, "w1") for t in (0.05, 0.15, 0.25)],
+    }
+    line = behind_batch(this, other)
+    assert line == (
+        "runs behind the other batch: 0.1s +0, 0.2s +1, 0.3s +1, 0.6s +0, 0.9s +0, 1.2s +0"
+    )
+    assert behind_batch(other, this) == (
+        "runs behind the other batch: 0.1s +0, 0.2s -1, 0.3s -1, 0.6s +0, 0.9s +0, 1.2s +0"
+    )
