@@ -452,14 +452,21 @@ def run_rounds(
 
 def send_batch(bench: Bench, mode: str, tag: str, keys: list[str], seconds: float) -> list[float]:
     """Send one task of ``mode`` per key (ids ``tag.<n>``) and wait until every body has run;
-    the send times."""
+    the send times. With ``--pre-queue`` the workers stop consuming while the batch is sent,
+    and every task counts as sent when they start again."""
     task = bench.app.tasks[f"bench.{mode}"]
     done_key = f"{bench.prefix}:b:{tag}:done"
+    pre_queue = bench.args.pre_queue
+    if pre_queue:
+        _consume(bench, "cancel_consumer")
     sent = []
     for i, key in enumerate(keys):
         now = time.time()
         sent.append(now)
         task.apply_async((key, now, seconds, tag), task_id=f"{tag}.{i}")
+    if pre_queue:
+        sent = [time.time()] * len(keys)
+        _consume(bench, "add_consumer")
     deadline = time.monotonic() + bench.args.timeout
     while (done := bench.client.llen(done_key)) < len(keys):
         if time.monotonic() > deadline:
@@ -468,6 +475,16 @@ def send_batch(bench: Bench, mode: str, tag: str, keys: list[str], seconds: floa
             )
         time.sleep(0.05)
     return sent
+
+
+def _consume(bench: Bench, command: str) -> None:
+    """Have the run's workers stop (``cancel_consumer``) or start again (``add_consumer``)
+    consuming its queue, each replying once done (within 10 s)."""
+    replies = getattr(bench.app.control, command)(
+        bench.prefix, reply=True, timeout=10, limit=bench.args.workers
+    )
+    if not replies:
+        raise RuntimeError(f"{command}: no worker replied within 10 s")
 
 
 def collect_batch(
@@ -556,6 +573,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="uncontended guarded tasks run first so every pool child is connected "
         "(default: 4 per slot; 0: none)",
+    )
+    parser.add_argument(
+        "--pre-queue",
+        action="store_true",
+        help="mixed and the classic run: send each batch while the workers do not consume, so "
+        "that no sender shares the CPUs with the batch (a diagnostic, not a scenario's setting)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
     parser.add_argument(
