@@ -159,10 +159,14 @@ class AskAhead(Generic[A]):
         return True
 
     def claim_slot(self, req: Any) -> None:
-        """``req``, queued for a slot, has its permit: if a slot is free it takes it now (a
-        queued task otherwise waits for the next slot given back)."""
+        """``req``, queued for a slot, has its permit: if a slot is free it takes it now, else
+        it goes first in the queue for the next slot given back (ahead of a parked task put
+        first to be asked for: the permit is not held idle through one more turnover)."""
         slots = self._slots
-        if slots is None or slots.value <= 0 or not self.unqueue(req, forget=False):
+        if slots is None or not self.unqueue(req, forget=False):
+            return
+        if slots.value <= 0:  # first for the next slot given back
+            slots._waiting.appendleft((self._process_task, (req,), {}))
             return
         slots.acquire(self._process_task, req)
 

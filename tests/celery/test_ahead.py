@@ -340,6 +340,22 @@ def test_a_granted_task_waits_in_the_queue_while_no_slot_is_free(hub: Hub) -> No
     assert recorder.taken == [f"ask-for-{id(req)}"]
 
 
+def test_a_granted_task_goes_first_for_the_next_slot(hub: Hub) -> None:
+    # A task resumed from parking is put first in the queue before it is asked for; a task
+    # granted meanwhile must not wait behind it, holding its permit through another turnover.
+    slots = LaxBoundedSemaphore(1)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    ahead.install(hub, slots, recorder.process_task)
+    resumed, granted = _queued(slots, recorder.process_task, 2)
+    assert ahead.ask_now(granted)
+    ahead.claim_slot(granted)
+    assert recorder.taken == []
+    assert [args for _cb, args, _kw in slots._waiting] == [(granted,), (resumed,)]
+    slots.release()
+    assert recorder.taken == [f"ask-for-{id(granted)}"]
+
+
 def test_a_task_taken_out_of_the_slot_queue_leaves_no_ask_behind(hub: Hub) -> None:
     slots = LaxBoundedSemaphore(1)
     recorder = _Recorder()
