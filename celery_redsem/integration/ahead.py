@@ -163,10 +163,15 @@ class AskAhead(Generic[A]):
         it goes first in the queue for the next slot given back (ahead of a parked task put
         first to be asked for: the permit is not held idle through one more turnover)."""
         slots = self._slots
-        if slots is None or not self.unqueue(req, forget=False):
+        if slots is None:
+            return
+        waiting = slots._waiting
+        if slots.value <= 0 and waiting and self._task_in(waiting[0]) is req:
+            return  # first already
+        if not self.unqueue(req, forget=False):
             return
         if slots.value <= 0:  # first for the next slot given back
-            slots._waiting.appendleft((self._process_task, (req,), {}))
+            waiting.appendleft((self._process_task, (req,), {}))
             return
         slots.acquire(self._process_task, req)
 
