@@ -415,7 +415,7 @@ def run_batch(
     """Send one task of ``mode`` per key in ``keys`` (in order, at once) to fresh workers and
     wait until every body has run; the workers' delivery count is read after they stop."""
     with worker_set(bench, tag, workers=workers, concurrency=concurrency, limit=limit):
-        sent = send_batch(bench, mode, tag, keys, seconds)
+        sent = send_batch(bench, mode, tag, keys, seconds, workers=workers)
     return collect_batch(bench, tag, keys, sent, worker_tag=tag, workers=workers)
 
 
@@ -438,7 +438,9 @@ def run_rounds(
     with worker_set(bench, tag, workers=workers, concurrency=concurrency, limit=limit):
         for r in range(rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
-                sent[f"{mode}-{r}"] = send_batch(bench, mode, f"{mode}-{r}", keys, seconds)
+                sent[f"{mode}-{r}"] = send_batch(
+                    bench, mode, f"{mode}-{r}", keys, seconds, workers=workers
+                )
     return {
         mode: [
             collect_batch(
@@ -450,15 +452,17 @@ def run_rounds(
     }
 
 
-def send_batch(bench: Bench, mode: str, tag: str, keys: list[str], seconds: float) -> list[float]:
+def send_batch(
+    bench: Bench, mode: str, tag: str, keys: list[str], seconds: float, *, workers: int
+) -> list[float]:
     """Send one task of ``mode`` per key (ids ``tag.<n>``) and wait until every body has run;
-    the send times. With ``--pre-queue`` the workers stop consuming while the batch is sent,
+    the send times. With ``--pre-queue`` the ``workers`` stop consuming while the batch is sent,
     and every task counts as sent when they start again."""
     task = bench.app.tasks[f"bench.{mode}"]
     done_key = f"{bench.prefix}:b:{tag}:done"
     pre_queue = bench.args.pre_queue
     if pre_queue:
-        _consume(bench, "cancel_consumer")
+        _consume(bench, "cancel_consumer", workers)
     sent = []
     for i, key in enumerate(keys):
         now = time.time()
@@ -466,7 +470,7 @@ def send_batch(bench: Bench, mode: str, tag: str, keys: list[str], seconds: floa
         task.apply_async((key, now, seconds, tag), task_id=f"{tag}.{i}")
     if pre_queue:
         sent = [time.time()] * len(keys)
-        _consume(bench, "add_consumer")
+        _consume(bench, "add_consumer", workers)
     deadline = time.monotonic() + bench.args.timeout
     while (done := bench.client.llen(done_key)) < len(keys):
         if time.monotonic() > deadline:
@@ -477,14 +481,14 @@ def send_batch(bench: Bench, mode: str, tag: str, keys: list[str], seconds: floa
     return sent
 
 
-def _consume(bench: Bench, command: str) -> None:
-    """Have the run's workers stop (``cancel_consumer``) or start again (``add_consumer``)
-    consuming its queue, each replying once done (within 10 s)."""
+def _consume(bench: Bench, command: str, workers: int) -> None:
+    """Have the run's ``workers`` stop (``cancel_consumer``) or start again (``add_consumer``)
+    consuming its queue, and wait until each has replied that it did (10 s at most)."""
     replies = getattr(bench.app.control, command)(
-        bench.prefix, reply=True, timeout=10, limit=bench.args.workers
+        bench.prefix, reply=True, timeout=10, limit=workers
     )
-    if not replies:
-        raise RuntimeError(f"{command}: no worker replied within 10 s")
+    if len(replies or ()) < workers:
+        raise RuntimeError(f"{command}: {len(replies or ())} of {workers} workers replied in 10 s")
 
 
 def collect_batch(
@@ -577,8 +581,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pre-queue",
         action="store_true",
-        help="mixed and the classic run: send each batch while the workers do not consume, so "
-        "that no sender shares the CPUs with the batch (a diagnostic, not a scenario's setting)",
+        help="send each batch while the workers do not consume, so that no sender shares the "
+        "CPUs with the batch (a diagnostic, not a scenario's setting)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
     parser.add_argument(
