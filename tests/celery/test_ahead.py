@@ -144,6 +144,15 @@ class _Recorder:
         self.dropped.append(asked)
 
 
+def _installed(hub: Hub, slots: int = 1) -> tuple[LaxBoundedSemaphore, _Recorder, AskAhead[str]]:
+    """A slot semaphore of ``slots``, and an AskAhead on it (busy) asking through a recorder."""
+    semaphore = LaxBoundedSemaphore(slots)
+    recorder = _Recorder()
+    ahead = recorder.make()
+    ahead.install(hub, semaphore, recorder.process_task)
+    return semaphore, recorder, ahead
+
+
 def turn(hub: Hub, times: int) -> None:
     """Turn the event loop ``times`` times."""
     loop = hub.create_loop()
@@ -310,10 +319,7 @@ def test_a_task_not_asked_for_ahead_is_not_asked_again_on_every_turn(hub: Hub) -
 
 
 def test_a_task_asked_for_now_takes_a_free_slot_once_granted(hub: Hub) -> None:
-    slots = LaxBoundedSemaphore(1)
-    recorder = _Recorder()
-    ahead = recorder.make()
-    ahead.install(hub, slots, recorder.process_task)
+    slots, recorder, ahead = _installed(hub)
     req = object()
     slots._waiting.appendleft((recorder.process_task, (req,), {}))  # first in line, slot free
     assert ahead.ask_now(req)
@@ -327,10 +333,7 @@ def test_a_task_asked_for_now_takes_a_free_slot_once_granted(hub: Hub) -> None:
 
 
 def test_a_granted_task_waits_in_the_queue_while_no_slot_is_free(hub: Hub) -> None:
-    slots = LaxBoundedSemaphore(1)
-    recorder = _Recorder()
-    ahead = recorder.make()
-    ahead.install(hub, slots, recorder.process_task)
+    slots, recorder, ahead = _installed(hub)
     (req,) = _queued(slots, recorder.process_task, 1)
     assert ahead.ask_now(req)
     ahead.claim_slot(req)
@@ -343,10 +346,7 @@ def test_a_granted_task_waits_in_the_queue_while_no_slot_is_free(hub: Hub) -> No
 def test_a_granted_task_goes_first_for_the_next_slot(hub: Hub) -> None:
     # A task resumed from parking is put first in the queue before it is asked for; a task
     # granted meanwhile must not wait behind it, holding its permit through another turnover.
-    slots = LaxBoundedSemaphore(1)
-    recorder = _Recorder()
-    ahead = recorder.make()
-    ahead.install(hub, slots, recorder.process_task)
+    slots, recorder, ahead = _installed(hub)
     resumed, granted = _queued(slots, recorder.process_task, 2)
     assert ahead.ask_now(granted)
     ahead.claim_slot(granted)
@@ -357,10 +357,7 @@ def test_a_granted_task_goes_first_for_the_next_slot(hub: Hub) -> None:
 
 
 def test_a_task_taken_out_of_the_slot_queue_leaves_no_ask_behind(hub: Hub) -> None:
-    slots = LaxBoundedSemaphore(1)
-    recorder = _Recorder()
-    ahead = recorder.make()
-    ahead.install(hub, slots, recorder.process_task)
+    slots, recorder, ahead = _installed(hub)
     first, second = _queued(slots, recorder.process_task, 2)
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
     assert ahead.unqueue(first)  # parked again without a slot
@@ -420,10 +417,7 @@ def test_a_queued_task_whose_ask_was_given_up_gets_a_free_slot(hub: Hub) -> None
 def test_a_task_answered_while_it_is_asked_for_now_takes_one_slot_once(hub: Hub) -> None:
     # The answer is called back before the ask returns (a client that waits for its reply,
     # or a failed connection) and hands the task its slot there and then.
-    slots = LaxBoundedSemaphore(2)
-    recorder = _Recorder()
-    ahead = recorder.make()
-    ahead.install(hub, slots, recorder.process_task)
+    slots, recorder, ahead = _installed(hub, 2)
     took_slot: list[object] = []
 
     def process_task(req: object) -> None:
