@@ -97,28 +97,33 @@ def child_split(records: list[Record]) -> str | None:
     return f"gaps in one child (ms per slot, {len(parts['after'])} gaps): " + ", ".join(cells)
 
 
+def started_by(dump: dict[str, Any]) -> list[int]:
+    """How many of ``dump``'s runs had started by each of :data:`LAG_AT` after its first send."""
+    first = min(dump["sent"])
+    starts = [r["start"] - first for r in dump["records"]]
+    return [sum(1 for s in starts if s <= at) for at in LAG_AT]
+
+
 def behind_ideal(dump: dict[str, Any], slots: int, limit: int) -> str:
     """Runs started by each of :data:`LAG_AT` under the ideal, minus those that started."""
     sent, keys, records = dump["sent"], dump["keys"], dump["records"]
     first = min(sent)
     body = statistics.fmean(r["end"] - r["start"] for r in records)
     ideal = ideal_schedule([s - first for s in sent], keys, slots, limit, body)
-    cells = []
-    for at in LAG_AT:
-        started = sum(1 for r in records if r["start"] - first <= at)
-        cells.append(f"{at:.1f}s {sum(1 for s in ideal if s <= at) - started:+d}")
+    cells = [
+        f"{at:.1f}s {sum(1 for s in ideal if s <= at) - started:+d}"
+        for at, started in zip(LAG_AT, started_by(dump), strict=True)
+    ]
     return "runs behind the ideal: " + ", ".join(cells)
 
 
 def behind_batch(dump: dict[str, Any], other: dict[str, Any]) -> str:
     """Runs ``other`` (a batch of the same tasks, such as the plain one of the same round) had
     started by each of :data:`LAG_AT` after its first send, minus those ``dump``'s had."""
-
-    def started(batch: dict[str, Any], at: float) -> int:
-        first = min(batch["sent"])
-        return sum(1 for r in batch["records"] if r["start"] - first <= at)
-
-    cells = [f"{at:.1f}s {started(other, at) - started(dump, at):+d}" for at in LAG_AT]
+    cells = [
+        f"{at:.1f}s {theirs - ours:+d}"
+        for at, ours, theirs in zip(LAG_AT, started_by(dump), started_by(other), strict=True)
+    ]
     return "runs behind the other batch: " + ", ".join(cells)
 
 
@@ -162,7 +167,8 @@ def _load(path: str) -> dict[str, Any]:
     return loaded
 
 
-def report(path: str, slots: int, limit: int, against: str | None = None) -> None:
+def report(path: str, slots: int, limit: int, other: dict[str, Any] | None = None) -> None:
+    """Print ``path``'s report (with ``other``, a dump of the same tasks to compare starts)."""
     dump = _load(path)
     records = dump["records"]
     first = min(dump["sent"])
@@ -173,7 +179,7 @@ def report(path: str, slots: int, limit: int, against: str | None = None) -> Non
         child_split(records),
         behind_ideal(dump, slots, limit),
         hand_overs(records, limit),
-        behind_batch(dump, _load(against)) if against else None,
+        behind_batch(dump, other) if other is not None else None,
     ):
         if line is not None:
             print(f"  {line}")
@@ -191,8 +197,9 @@ def main() -> None:
         "many runs each batch is behind it, over time",
     )
     args = parser.parse_args()
+    other = _load(args.against) if args.against else None
     for path in args.paths:
-        report(path, args.slots, args.limit, args.against)
+        report(path, args.slots, args.limit, other)
 
 
 if __name__ == "__main__":
