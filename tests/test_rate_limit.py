@@ -71,14 +71,15 @@ def test_bookings_are_served_first_come_first_served(
         began = time.monotonic()
         booked.append(limiter.attempt(f"p{n}", book=True))
         calls.append((began, time.monotonic()))
-    last_booked = calls[-1][1]
+    last_booked = calls[-1][0]  # (the server timed that booking no earlier than this)
     assert all(b.booked and not b.admitted for b in booked)
     waits = [b.retry_after for b in booked]
     # Each wait counts from its own call: on the client's clock the slots are 0.05 s apart,
     # within the time the two calls took (long on a loaded host).
     for (w1, (b1, e1)), (w2, (b2, e2)) in itertools.pairwise(zip(waits, calls, strict=True)):
         assert (w2 + b2) - (w1 + e1) - 0.001 <= 0.05 <= (w2 + e2) - (w1 + b1) + 0.001
-    # A newcomer without a booking is told the slot after the booked ones.
+    # A newcomer without a booking is told the slot after the booked ones, counted from the
+    # newcomer's own call: at most the time since the last booking call began has passed.
     newcomer = limiter.attempt()
     since = time.monotonic() - last_booked
     assert waits[-1] + 0.05 - since - 0.001 <= newcomer.retry_after <= waits[-1] + 0.05 + 1e-6
