@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_redsem.testing.server import embedded_server
 
@@ -37,6 +39,10 @@ CLUSTER_SLOTS = 16384
 #: Disk-based full sync: with diskless sync a primary streams nothing to a new replica until
 #: the replica's first ACK (up to a second later), so the first WAIT would stall.
 REPLICATION_OPTIONS = ["--repl-diskless-sync", "no"]
+#: What a server logs when another process holds the port it was given.
+PORT_TAKEN = "Address already in use"
+#: Ports a first start tries before it gives up.
+PORT_TRIES = 5
 
 
 def wait_until(
@@ -90,7 +96,11 @@ def free_port() -> int:
 
 
 def _ping(port: int, **kwargs: Any) -> bool:
-    client = redis.Redis(host=HOST, port=port, socket_timeout=0.5, **kwargs)
+    """One PING, not retried: redis-py's default retries wait seconds on a port that accepts
+    but never answers (another process's listener), where the caller polls anyway."""
+    client = redis.Redis(
+        host=HOST, port=port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0), **kwargs
+    )
     try:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
@@ -103,9 +113,11 @@ def _ping(port: int, **kwargs: Any) -> bool:
 class ServerProcess:
     """One ``valkey-server``/``redis-server`` process on a fixed port, in its own directory.
 
-    ``args`` are command-line config options (``["--appendonly", "no", ...]``). The port and
-    directory survive :meth:`kill`/:meth:`start`, so a restart comes back at the same address
-    (empty, as nothing is persisted unless the args ask for it).
+    ``args`` are command-line config options (``["--appendonly", "no", ...]``); a cluster node
+    also has a ``bus_port``. The ports and directory survive :meth:`kill`/:meth:`start`, so a
+    restart comes back at the same address (empty, as nothing is persisted unless the args ask
+    for it). Until the server first answers, a port another process took between
+    :func:`free_port` and the bind is swapped for a new one (:meth:`wait_ready`).
     """
 
     args: list[str]
@@ -114,7 +126,9 @@ class ServerProcess:
     binary: Path = field(default_factory=valkey_binary)
     config_file: Path | None = None
     ping_kwargs: dict[str, Any] = field(default_factory=dict)
+    bus_port: int | None = None
     process: subprocess.Popen[bytes] | None = None
+    answered: bool = False
 
     @property
     def url(self) -> str:
@@ -139,6 +153,8 @@ class ServerProcess:
             cmd.append(str(self.config_file))
         cmd += ["--port", str(self.port), "--bind", HOST, "--dir", str(self.directory)]
         cmd += ["--save", "", "--appendonly", "no", *self.args]
+        if self.bus_port is not None:
+            cmd += ["--cluster-port", str(self.bus_port)]
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory
@@ -148,17 +164,32 @@ class ServerProcess:
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        """Wait until the server answers PING; fail with its log if it exited."""
+        """Wait until the server answers PING; fail with its log if it exited.
+
+        A first start that lost its port (or bus port) to another process between
+        :func:`free_port` and the bind is tried again on new ports, up to ``PORT_TRIES`` times.
+        """
+        tries = PORT_TRIES
 
         def ready() -> bool:
+            nonlocal tries
             if self.process is not None and self.process.poll() is not None:
+                log = self.log.read_text(errors="replace")
+                if not self.answered and PORT_TAKEN in log and tries > 1:
+                    tries -= 1
+                    self.port = free_port()
+                    if self.bus_port is not None:
+                        self.bus_port = free_port()
+                    self.start(wait=False)
+                    return False
                 raise RuntimeError(
                     f"server on port {self.port} exited ({self.process.returncode}):\n"
-                    + self.log.read_text(errors="replace")[-3000:]
+                    + log[-3000:]
                 )
             return _ping(self.port, **self.ping_kwargs)
 
         wait_until(ready, timeout, what=f"server on port {self.port} to answer PING")
+        self.answered = True
 
     def kill(self) -> None:
         """SIGKILL the process (a crash: nothing is saved) and reap it."""
@@ -260,20 +291,18 @@ def valkey_cluster(
     """
     with _tempdir("cluster") as directory, ExitStack() as stack:
         nodes: list[ServerProcess] = []
-        bus_ports: list[int] = []
         for i in range(n_primaries * (2 if with_replicas else 1)):
             node_dir = directory / f"node{i}"
             node_dir.mkdir()
-            bus_ports.append(free_port())
             node = ServerProcess(
                 [
                     *["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms)],
                     *["--cluster-config-file", str(node_dir / "nodes.conf")],
-                    *["--cluster-port", str(bus_ports[-1])],
                     *REPLICATION_OPTIONS,
                     *extra,
                 ],
                 node_dir,
+                bus_port=free_port(),
             )
             stack.callback(node.kill)
             nodes.append(node.start(wait=False))
@@ -291,7 +320,7 @@ def valkey_cluster(
                     finally:
                         client.close()
                 if i:
-                    first.execute_command("CLUSTER MEET", HOST, node.port, bus_ports[i])
+                    first.execute_command("CLUSTER MEET", HOST, node.port, node.bus_port)
         finally:
             first.close()
         primaries, replicas = nodes[:n_primaries], nodes[n_primaries:]
