@@ -22,6 +22,7 @@ by semaphore name: one per account would be one time series per account):
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -59,6 +60,8 @@ __all__ = [
     "record_wait",
     "serve_metrics",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Bucket bounds (seconds) of ``redsem_wait_seconds``: from an uncontended grant to an hour.
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
@@ -169,7 +172,12 @@ def disable_metrics() -> None:
 
 def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:  # noqa: S104 (for a scraper)
     """Serve this process's metrics over HTTP for Prometheus to scrape; under prefork with
-    ``PROMETHEUS_MULTIPROC_DIR`` set, the sum over the main process and every pool child."""
+    ``PROMETHEUS_MULTIPROC_DIR`` set, the sum over the main process and every pool child.
+
+    A port that cannot be served on (another process has it) raises :class:`OSError`, and is
+    also logged as an error first: Celery's signal dispatch (``worker_init``) swallows what a
+    receiver raises, and the worker would run without its metrics and without a word.
+    """
     import prometheus_client as prom
     from prometheus_client import multiprocess
 
@@ -177,7 +185,16 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:  # noqa: S104 (for 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = prom.CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-    prom.start_http_server(port, addr, registry=registry)
+    try:
+        prom.start_http_server(port, addr, registry=registry)
+    except OSError as exc:
+        logger.error(
+            "celery_redsem: cannot serve metrics on %s:%s (%s); this process serves none",
+            addr,
+            port,
+            exc,
+        )
+        raise
 
 
 # -- the calls the rest of the package makes (each does nothing while metrics are off) -------

@@ -3,6 +3,8 @@ worker (threads pool), so the registry read here is the one the tasks count in."
 
 from __future__ import annotations
 
+import logging
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -163,3 +165,13 @@ def test_off_by_default_without_importing_prometheus_client() -> None:
         "assert 'prometheus_client' not in sys.modules, 'imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_metrics_port_already_taken_is_logged_as_well_as_raised(caplog):
+    # Raised alone, it would vanish in a worker_init receiver (Celery logs nothing of it).
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError), caplog.at_level(logging.ERROR):
+            metrics.serve_metrics(port, "127.0.0.1")
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in caplog.text
+    assert "Address already in use" in caplog.text
