@@ -20,13 +20,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from celery_redsem import FairSemaphore
 from example_project.demo import stop_process_group
 from tests.example.conftest import EXAMPLE_DIR
-from tests.servers import embedded_valkey, free_port, wait_until
+from tests.servers import PORT_TAKEN, PORT_TRIES, embedded_valkey, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
 PREFIX = "example"  # CELERY_REDSEM_KEY_PREFIX of the example's settings
 BUY, SELL = "market.tasks.buy_item", "market.tasks.sell_item"
 FEED, REPORT = "market.tasks.stream_market_feed", "market.tasks.build_daily_report"
+#: What serve_metrics logs when it cannot serve on the port it was given.
+REFUSED = "cannot serve metrics on"
 WORKER = [sys.executable, "-m", "celery", "-A", "proj", "worker", "-P", "prefork"]
 
 
@@ -51,6 +53,14 @@ class Scraper:
             for sample in family.samples
         }
 
+    def refused(self) -> bool:
+        """Whether the worker logged that it cannot serve its metrics (it runs without)."""
+        return REFUSED in self.log.read_text(errors="replace")
+
+    def settled(self) -> bool:
+        """Whether the worker serves its metrics, could not, or exited."""
+        return self.worker.poll() is not None or self.refused() or bool(self.samples())
+
     def value(self, name: str, **labels: str) -> float:
         return self.samples().get((name, frozenset(labels.items())), 0.0)
 
@@ -65,31 +75,44 @@ class Scraper:
 
 @pytest.fixture
 def run(tmp_path: Path) -> Iterator[tuple[str, Scraper]]:
-    """A private server and the example's worker on it, its metrics served on a free port."""
+    """A private server and the example's worker on it, its metrics served on a free port
+    (another one if some other process takes the first before the worker binds it)."""
     multiproc_dir = tmp_path / "prometheus"
     multiproc_dir.mkdir()
-    port = free_port()
-    log = tmp_path / "worker.log"
     with embedded_valkey() as url:
         env = {
             **os.environ,
             "REDIS_URL": url,
             "CELERY_BROKER_URL": url,
             "DJANGO_SETTINGS_MODULE": "proj.settings",
-            "REDSEM_METRICS_PORT": str(port),
             "PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir),
         }
-        with log.open("wb") as out:
-            worker = subprocess.Popen(
-                [*WORKER, "-c", "3", "-l", "INFO", "--without-gossip", "--without-mingle"],
-                cwd=EXAMPLE_DIR,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        for tries_left in reversed(range(PORT_TRIES)):
+            port = free_port()
+            log = tmp_path / f"worker-{port}.log"
+            with log.open("wb") as out:
+                worker = subprocess.Popen(
+                    [*WORKER, "-c", "3", "-l", "INFO", "--without-gossip", "--without-mingle"],
+                    cwd=EXAMPLE_DIR,
+                    env={**env, "REDSEM_METRICS_PORT": str(port)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            scraper = Scraper(port, worker, log)
+            try:
+                wait_until(scraper.settled, 60, interval=0.2, what="the worker's /metrics")
+                if not scraper.refused():
+                    break
+                text = log.read_text(errors="replace")
+                assert PORT_TAKEN in text, text[-3000:]
+                assert tries_left, f"{PORT_TRIES} metrics ports taken in a row"
+            except BaseException:
+                stop_process_group(worker, signal.SIGTERM, grace=10)
+                raise
+            stop_process_group(worker, signal.SIGTERM, grace=10)  # and on to another port
         try:
-            yield url, Scraper(port, worker, log)
+            yield url, scraper
         finally:
             stop_process_group(worker, signal.SIGTERM, grace=10)
 
@@ -99,7 +122,6 @@ def test_a_short_run_of_the_example_moves_every_metric(run: tuple[str, Scraper])
     client = redis.Redis.from_url(url)
     sender = Celery("sender", broker=url, set_as_current=False)
     try:
-        wait_until(metrics.samples, 60, interval=0.2, what="the worker's /metrics")
         assert metrics.value("redsem_parked_tasks") == 0
         assert not any(name == "redsem_grants_total" for name, _ in metrics.samples())
 
