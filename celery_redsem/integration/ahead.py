@@ -92,6 +92,8 @@ class AskAhead(Generic[A]):
         self._drop = drop
         #: By request: when it was asked for, and the ask (None: none was sent).
         self._asked: dict[Any, tuple[float, A | None]] = {}
+        #: Requests granted while queued, waiting first in the slot queue (in grant order).
+        self._claimed: set[Any] = set()
         self._slots: Any = None
         self._process_task: Any = None
         self._hub: Any = None
@@ -132,6 +134,7 @@ class AskAhead(Generic[A]):
             gap = now - self._handed_at
             self._gap = gap if math.isinf(self._gap) else 0.8 * self._gap + 0.2 * gap
         self._handed_at = now
+        self._claimed.discard(req)
         return self._asked.pop(req, (now, None))[1]
 
     def _slots_free_soon(self) -> bool:
@@ -160,23 +163,37 @@ class AskAhead(Generic[A]):
 
     def claim_slot(self, req: Any) -> None:
         """``req``, queued for a slot, has its permit: if a slot is free it takes it now, else
-        it goes first in the queue for the next slot given back (ahead of a parked task put
-        first to be asked for: the permit is not held idle through one more turnover)."""
+        it goes first for the next slot given back (ahead of a parked task put first to be
+        asked for: the permit is not held idle through one more turnover), behind the tasks
+        granted before it that are first already (so grants take slots in the order given)."""
         slots = self._slots
-        if slots is None:
+        if slots is None or req in self._claimed:
             return
         waiting = slots._waiting
         if slots.value <= 0 and waiting and self._task_in(waiting[0]) is req:
-            return  # first already
+            self._claimed.add(req)  # first already
+            return
         if not self.unqueue(req, forget=False):
             return
-        if slots.value <= 0:  # first for the next slot given back
-            waiting.appendleft((self._process_task, (req,), {}))
+        if slots.value <= 0:
+            waiting.insert(self._granted_first(), (self._process_task, (req,), {}))
+            self._claimed.add(req)
             return
         slots.acquire(self._process_task, req)
 
+    def _granted_first(self) -> int:
+        """How many tasks at the head of the slot queue were granted and wait for a slot (a
+        parked task woken since went in front of them: it is asked for first)."""
+        count = 0
+        for entry in self._slots._waiting:
+            if self._task_in(entry) not in self._claimed:
+                break
+            count += 1
+        return count
+
     def unqueue(self, req: Any, *, forget: bool = True) -> bool:
         """Take ``req`` out of the slot queue (``forget``: and its ask); False if not there."""
+        self._claimed.discard(req)
         if forget:
             self._asked.pop(req, None)
         if self._slots is None:
@@ -252,6 +269,7 @@ class AskAhead(Generic[A]):
             if id(req) in queued and asked_at > too_old:
                 continue
             del self._asked[req]
+            self._claimed.discard(req)
             if asked is not None:
                 self._drop(asked)
 
@@ -269,6 +287,7 @@ class AskAhead(Generic[A]):
         """The event loop closes or resets (a lost broker connection): every queued task's
         message will be delivered again, so every ask sent ahead is given up."""
         self._put_off_at = 0.0  # (asks put off until after the pool's writes: none now)
+        self._claimed.clear()
         asked, self._asked = self._asked, {}
         for _asked_at, value in asked.values():
             if value is not None:

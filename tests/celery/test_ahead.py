@@ -356,6 +356,21 @@ def test_a_granted_task_goes_first_for_the_next_slot(hub: Hub) -> None:
     assert recorder.taken == [f"ask-for-{id(granted)}"]
 
 
+def test_tasks_granted_while_queued_take_the_next_slots_in_the_order_granted(hub: Hub) -> None:
+    slots, recorder, ahead = _installed(hub)
+    other, first, second = _queued(slots, recorder.process_task, 3)
+    for req in (first, second):
+        assert ahead.ask_now(req)
+    ahead.claim_slot(first)
+    ahead.claim_slot(second)
+    assert [args for _cb, args, _kw in slots._waiting] == [(first,), (second,), (other,)]
+    ahead.claim_slot(second)  # (told again: stays where it is)
+    assert [args for _cb, args, _kw in slots._waiting] == [(first,), (second,), (other,)]
+    slots.release()
+    slots.release()
+    assert recorder.taken == [f"ask-for-{id(first)}", f"ask-for-{id(second)}"]
+
+
 def test_a_task_taken_out_of_the_slot_queue_leaves_no_ask_behind(hub: Hub) -> None:
     slots, recorder, ahead = _installed(hub)
     first, second = _queued(slots, recorder.process_task, 2)
