@@ -95,16 +95,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _ping(port: int, **kwargs: Any) -> bool:
-    """One PING, not retried: redis-py's default retries wait seconds on a port that accepts
-    but never answers (another process's listener), where the caller polls anyway."""
+def _pid_answering(port: int, **kwargs: Any) -> int | None:
+    """The process id of the server answering on ``port`` (None: none answers yet). Asked
+    once, not retried: redis-py's default retries wait seconds on a port that accepts but
+    never answers (another process's listener), where the caller polls anyway."""
     client = redis.Redis(
         host=HOST, port=port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0), **kwargs
     )
     try:
-        return bool(client.ping())
+        return int(client.info("server")["process_id"])
     except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-        return False
+        return None
     finally:
         client.close()
 
@@ -114,10 +115,11 @@ class ServerProcess:
     """One ``valkey-server``/``redis-server`` process on a fixed port, in its own directory.
 
     ``args`` are command-line config options (``["--appendonly", "no", ...]``); a cluster node
-    also has a ``bus_port``. The ports and directory survive :meth:`kill`/:meth:`start`, so a
-    restart comes back at the same address (empty, as nothing is persisted unless the args ask
-    for it). Until the server first answers, a port another process took between
-    :func:`free_port` and the bind is swapped for a new one (:meth:`wait_ready`).
+    also has a ``bus_port``; with ``tls`` the port is a TLS-only one. The ports and directory
+    survive :meth:`kill`/:meth:`start`, so a restart comes back at the same address (empty, as
+    nothing is persisted unless the args ask for it). Until the server first answers, a port
+    another process took between :func:`free_port` and the bind is swapped for a new one
+    (:meth:`wait_ready`).
     """
 
     args: list[str]
@@ -127,8 +129,11 @@ class ServerProcess:
     config_file: Path | None = None
     ping_kwargs: dict[str, Any] = field(default_factory=dict)
     bus_port: int | None = None
+    tls: bool = False
     process: subprocess.Popen[bytes] | None = None
     answered: bool = False
+    #: Where this start's lines begin in the log (a port's log is appended to).
+    log_from: int = field(default=0, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -151,10 +156,12 @@ class ServerProcess:
         cmd = [str(self.binary)]
         if self.config_file is not None:
             cmd.append(str(self.config_file))
-        cmd += ["--port", str(self.port), "--bind", HOST, "--dir", str(self.directory)]
+        ports = ["--port", "0", "--tls-port"] if self.tls else ["--port"]
+        cmd += [*ports, str(self.port), "--bind", HOST, "--dir", str(self.directory)]
         cmd += ["--save", "", "--appendonly", "no", *self.args]
         if self.bus_port is not None:
             cmd += ["--cluster-port", str(self.bus_port)]
+        self.log_from = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.directory
@@ -164,7 +171,8 @@ class ServerProcess:
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        """Wait until the server answers PING; fail with its log if it exited.
+        """Wait until the server answers (it, not another on its port); fail with its log if it
+        exited.
 
         A first start that lost its port (or bus port) to another process between
         :func:`free_port` and the bind is tried again on new ports, up to ``PORT_TRIES`` times.
@@ -174,7 +182,9 @@ class ServerProcess:
         def ready() -> bool:
             nonlocal tries
             if self.process is not None and self.process.poll() is not None:
-                log = self.log.read_text(errors="replace")
+                with self.log.open("rb") as file:
+                    file.seek(self.log_from)
+                    log = file.read().decode(errors="replace")
                 if not self.answered and PORT_TAKEN in log and tries > 1:
                     tries -= 1
                     self.port = free_port()
@@ -186,9 +196,11 @@ class ServerProcess:
                     f"server on port {self.port} exited ({self.process.returncode}):\n"
                     + log[-3000:]
                 )
-            return _ping(self.port, **self.ping_kwargs)
+            # Ours, not whichever server holds the port (another test's, when it took ours).
+            pid = _pid_answering(self.port, **self.ping_kwargs)
+            return self.process is not None and pid == self.process.pid
 
-        wait_until(ready, timeout, what=f"server on port {self.port} to answer PING")
+        wait_until(ready, timeout, what=f"the server in {self.directory} to answer")
         self.answered = True
 
     def kill(self) -> None:
@@ -527,13 +539,16 @@ def tls_redis(*args: str) -> Iterator[TlsServer]:
             capture_output=True,
             timeout=60,
         )
-        server = ServerProcess([], directory, binary=TLS_SERVER_BINARY)
-        server.args = [
-            *["--port", "0", "--tls-port", str(server.port), "--tls-auth-clients", "no"],
-            *["--tls-cert-file", str(cert), "--tls-key-file", str(key)],
-            *["--tls-ca-cert-file", str(cert), *args],
-        ]
-        server.ping_kwargs = {"ssl": True, "ssl_ca_certs": str(cert)}
+        server = ServerProcess(
+            [
+                *["--tls-auth-clients", "no", "--tls-cert-file", str(cert)],
+                *["--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), *args],
+            ],
+            directory,
+            binary=TLS_SERVER_BINARY,
+            tls=True,
+            ping_kwargs={"ssl": True, "ssl_ca_certs": str(cert)},
+        )
         try:
             server.start()
             yield TlsServer(server, cert)
