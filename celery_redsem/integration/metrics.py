@@ -175,8 +175,9 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:  # noqa: S104 (for 
     ``PROMETHEUS_MULTIPROC_DIR`` set, the sum over the main process and every pool child.
 
     A port that cannot be served on (another process has it) raises :class:`OSError`, and is
-    also logged as an error first: Celery's signal dispatch (``worker_init``) swallows what a
-    receiver raises, and the worker would run without its metrics and without a word.
+    also logged as an error first: Celery's signal dispatch catches what a ``worker_init``
+    receiver raises, and the example project's worker printed nothing of it and ran on
+    without its metrics.
     """
     import prometheus_client as prom
     from prometheus_client import multiprocess

@@ -168,7 +168,8 @@ def test_off_by_default_without_importing_prometheus_client() -> None:
 
 
 def test_a_metrics_port_already_taken_is_logged_as_well_as_raised(caplog):
-    # Raised alone, it would vanish in a worker_init receiver (Celery logs nothing of it).
+    # Raised alone, it vanished in the example's worker_init receiver: Celery's signal
+    # dispatch catches it, and the worker printed nothing of it.
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(OSError), caplog.at_level(logging.ERROR):

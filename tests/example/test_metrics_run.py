@@ -77,24 +77,27 @@ class Scraper:
 def run(tmp_path: Path) -> Iterator[tuple[str, Scraper]]:
     """A private server and the example's worker on it, its metrics served on a free port
     (another one if some other process takes the first before the worker binds it)."""
-    multiproc_dir = tmp_path / "prometheus"
-    multiproc_dir.mkdir()
     with embedded_valkey() as url:
         env = {
             **os.environ,
             "REDIS_URL": url,
             "CELERY_BROKER_URL": url,
             "DJANGO_SETTINGS_MODULE": "proj.settings",
-            "PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir),
         }
         for tries_left in reversed(range(PORT_TRIES)):
             port = free_port()
             log = tmp_path / f"worker-{port}.log"
+            multiproc_dir = tmp_path / f"prometheus-{port}"  # (none of a refused worker's)
+            multiproc_dir.mkdir()
             with log.open("wb") as out:
                 worker = subprocess.Popen(
                     [*WORKER, "-c", "3", "-l", "INFO", "--without-gossip", "--without-mingle"],
                     cwd=EXAMPLE_DIR,
-                    env={**env, "REDSEM_METRICS_PORT": str(port)},
+                    env={
+                        **env,
+                        "REDSEM_METRICS_PORT": str(port),
+                        "PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir),
+                    },
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
