@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,7 @@ from celery_redsem.core.client import (
     blocking_wait_cap,
     pop_within,
     server_tick,
+    socket_timeout,
 )
 from tests.servers import embedded_valkey, wait_until
 
@@ -118,4 +120,39 @@ def test_pop_within_without_room_to_block_still_takes_what_is_there(
         redis_client.rpush(key, b"wake")
         assert pop_within(client, key, 0.1) == b"wake"
     finally:
+        client.close()
+
+
+def test_a_client_given_no_socket_timeout_has_its_connections_default(redis_url: str) -> None:
+    # redis-py 8 gives connections a 5 s socket timeout that the client's options do not
+    # show: read as none, it let a blocking wait be cut short by it.
+    client = redis.Redis.from_url(redis_url)
+    connection = client.connection_pool.get_connection()
+    try:
+        assert socket_timeout(client) == connection.socket_timeout
+        if connection.socket_timeout:
+            assert blocking_wait_cap(client) < connection.socket_timeout
+    finally:
+        client.connection_pool.release(connection)
+        client.close()
+
+
+def test_a_blocking_acquire_waits_past_the_default_socket_timeout(
+    redis_url: str, prefix: str
+) -> None:
+    client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))
+    connection = client.connection_pool.get_connection()
+    default = connection.socket_timeout  # (what the connections use, whatever the client says)
+    client.connection_pool.release(connection)
+    if default is None:
+        pytest.skip("this redis-py gives connections no socket timeout by default")
+    sem = FairSemaphore(client, "past-default", 1, lease=30, prefix=prefix)
+    held = sem.acquire()
+    assert isinstance(held, Permit)
+    try:
+        started = time.monotonic()
+        assert sem.acquire(blocking=True, timeout=default + 0.5) is None  # timed out, no error
+        assert time.monotonic() - started >= default + 0.5
+    finally:
+        sem.release(held)
         client.close()

@@ -10,6 +10,8 @@ plus :data:`TICK_SLACK`. Where nothing is left it is 0: do not block at all, pol
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import threading
 import time
@@ -74,13 +76,42 @@ def validate_client(client: object) -> RedisClient:
 
 
 def socket_timeout(client: RedisClient) -> float | None:
-    """The socket timeout ``client``'s connections use, in seconds (None: none)."""
+    """The socket timeout ``client``'s connections use, in seconds (None: none).
+
+    One the client was not given is the connection class's own default: none before
+    redis-py 8, 5 s from 8 on (so a blocking wait on ``redis.Redis.from_url(url)`` is capped
+    below it, not cut short by it).
+    """
     if isinstance(client, RedisCluster):
         kwargs = client.get_connection_kwargs()  # type: ignore[no-untyped-call]
+        connection_class = kwargs.get("connection_class", redis.Connection)
     else:
         kwargs = client.connection_pool.connection_kwargs
-    value = kwargs.get("socket_timeout")
+        connection_class = client.connection_pool.connection_class
+    if "socket_timeout" in kwargs:
+        value = kwargs["socket_timeout"]
+    else:
+        value = _default_socket_timeout(connection_class)
     return float(value) if value else None
+
+
+@functools.cache
+def _default_socket_timeout(connection_class: type) -> float | None:
+    """The ``socket_timeout`` default of ``connection_class`` (or of the first class in its
+    MRO whose ``__init__`` names one); None if none is found."""
+    for cls in connection_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameter = inspect.signature(init).parameters.get("socket_timeout")
+        except (TypeError, ValueError):
+            continue
+        if parameter is not None:
+            default = parameter.default
+            valid = isinstance(default, int | float) and not isinstance(default, bool)
+            return float(default) if valid and default > 0 else None
+    return None
 
 
 _ticks: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
