@@ -19,7 +19,7 @@ from celery import Celery
 
 from celery_redsem import with_lock, with_semaphore
 from celery_redsem.signals import task_skipped
-from tests.celery.tasks import make_app
+from tests.celery.tasks import BODY_WAIT_TIMEOUT, make_app
 
 _ENTER = """
 local c = redis.call('INCR', KEYS[1])
@@ -36,7 +36,7 @@ def make_busy_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
 
     def counter() -> redis.Redis:
         if os.getpid() not in clients:
-            clients[os.getpid()] = redis.Redis.from_url(redis_url)
+            clients[os.getpid()] = redis.Redis.from_url(redis_url, socket_timeout=BODY_WAIT_TIMEOUT)
         return clients[os.getpid()]
 
     def body(key: str, hold: bool = False, seconds: float = 0.0) -> str:

@@ -27,6 +27,10 @@ from celery_redsem import (
 )
 from celery_redsem.integration.waiting import WAIT_HEADER
 
+#: Socket timeout of the bodies' own Redis client: above the longest BLPOP they wait on for the
+#: test's go (redis-py 8 would give them 5 s, and a loaded host can keep a body waiting longer).
+BODY_WAIT_TIMEOUT = 60.0
+
 _ENTER = """
 local c = redis.call('INCR', KEYS[1])
 if c > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], c) end
@@ -80,7 +84,7 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def counter() -> redis.Redis:
         pid = os.getpid()
         if pid not in clients:
-            clients[pid] = redis.Redis.from_url(redis_url)
+            clients[pid] = redis.Redis.from_url(redis_url, socket_timeout=BODY_WAIT_TIMEOUT)
         return clients[pid]
 
     def keys(key: str) -> list[str]:

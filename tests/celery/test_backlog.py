@@ -43,10 +43,13 @@ def _most_at_once(events: list[str], killed_at: int) -> int:
 
 def _quick_redelivery(module_prefix: str) -> dict[str, object]:
     """Broker options under which a dead worker's unacknowledged messages come back in
-    seconds (to a worker that is still alive)."""
+    seconds (to a worker that is still alive). Not in fewer: on a loaded host a live worker's
+    own messages waiting for a slot could outlast a shorter timeout and come back as well,
+    as a second copy of a task (seen with 4 s, three test processes and a busy loop on two
+    cores)."""
     return {
         "global_keyprefix": f"{module_prefix}:kombu:",
-        "visibility_timeout": 4,
+        "visibility_timeout": 10,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     }
