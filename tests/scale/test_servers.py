@@ -22,32 +22,18 @@ def held_port(port: int = 0) -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-def test_a_first_start_moves_off_a_port_taken_before_the_bind():
-    with held_port() as taken, _tempdir("taken") as directory:
-        server = ServerProcess([], directory, port=taken)
+@pytest.mark.parametrize("which", ["port", "bus_port"])
+def test_a_first_start_moves_off_a_port_taken_before_the_bind(which: str) -> None:
+    with held_port() as taken, _tempdir(f"taken-{which}") as directory:
+        node = ["--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf")]
+        server = ServerProcess(node if which == "bus_port" else [], directory, **{which: taken})
         try:
             server.start()
-            assert server.port != taken
+            assert getattr(server, which) != taken
             with server.client() as client:
                 assert client.ping()
         finally:
             server.kill()
-
-
-def test_a_cluster_node_moves_off_a_bus_port_taken_before_the_bind():
-    with held_port() as taken, _tempdir("taken-bus") as directory:
-        node = ServerProcess(
-            ["--cluster-enabled", "yes", "--cluster-config-file", str(directory / "nodes.conf")],
-            directory,
-            bus_port=taken,
-        )
-        try:
-            node.start()
-            assert node.bus_port != taken
-            with node.client() as client:
-                assert client.ping()
-        finally:
-            node.kill()
 
 
 def test_a_port_another_server_answers_on_is_not_taken_for_ours():
