@@ -18,6 +18,11 @@ prints, for each batch:
 * **behind the other batch** (with ``--against OTHER``): how many fewer runs had started by
   each moment than in ``OTHER``, a batch of the same tasks run otherwise (the ``plain`` batch
   of the same round): when the lag between the two builds up, and whether it keeps growing;
+* **lost while a task could start**: slot time in which a slot was free while a task sent
+  and not started could have started there without going over its key's limit (what a
+  work-conserving dispatcher never loses), per slot, and by tenth of the batch: the tenths
+  show whether it is spread thin or lost in bursts (a batch whose runs end together frees
+  many slots at once, and refilling them is what takes the time);
 * **hand-overs at the limit**: for each run that started as soon as another run of its key
   freed a permit at the limit, the time from that run's end to this start, by where the two
   ran: the same pool child, another child of the same worker, or another worker (for guarded
@@ -127,6 +132,49 @@ def behind_batch(dump: dict[str, Any], other: dict[str, Any]) -> str:
     return "runs behind the other batch: " + ", ".join(cells)
 
 
+def lost_while_startable(records: list[Record], first_sent: float, slots: int, limit: int) -> str:
+    """Slot time (ms per slot) in which a slot was free and a sent task could have started in
+    it within its key's limit, in all and by tenth of the batch from ``first_sent`` (the
+    batch's first send; a batch sent before its workers consumed counts from when they did)."""
+    first, end = first_sent, max(r["end"] for r in records)
+    records = [{**r, "sent": max(r["sent"], first)} for r in records]
+    keys = sorted({r["key"] for r in records})
+    moments = sorted({first, *(t for r in records for t in (r["sent"], r["start"], r["end"]))})
+    tenths = [0.0] * 10
+    width = (end - first) / 10
+    for a, b in itertools.pairwise(moments):
+        lost = _startable(records, keys, slots, limit, (a + b) / 2)
+        if not lost:
+            continue
+        for i in range(10):  # the share of [a, b) in each tenth
+            lo, hi = first + i * width, first + (i + 1) * width
+            overlap = min(b, hi) - max(a, lo)
+            if overlap > 0:
+                tenths[i] += lost * overlap
+    per_slot = [t / slots * 1000 for t in tenths]
+    return (
+        f"lost while a task could start (ms per slot): {sum(per_slot):.1f}; by tenth of the "
+        "batch: " + ", ".join(f"{t:.1f}" for t in per_slot)
+    )
+
+
+def _startable(records: list[Record], keys: list[str], slots: int, limit: int, at: float) -> int:
+    """How many free slots a task could have started in at ``at``: the free slots, at most
+    the tasks sent and not started there whose keys were under their limit."""
+    running = waiting = 0
+    could: dict[str, int] = dict.fromkeys(keys, 0)
+    live: dict[str, int] = dict.fromkeys(keys, 0)
+    for r in records:
+        if r["start"] <= at < r["end"]:
+            running += 1
+            live[r["key"]] += 1
+        elif r["sent"] <= at < r["start"]:
+            could[r["key"]] += 1
+    for key in keys:
+        waiting += min(max(limit - live[key], 0), could[key])
+    return max(min(slots - running, waiting), 0)
+
+
 def hand_overs(records: list[Record], limit: int) -> str:
     """Milliseconds from a run's end to the start of the next run of its key it made room for."""
     by_place: dict[str, list[float]] = defaultdict(list)
@@ -178,6 +226,7 @@ def report(path: str, slots: int, limit: int, other: dict[str, Any] | None = Non
         slot_time(records, first),
         child_split(records),
         behind_ideal(dump, slots, limit),
+        lost_while_startable(records, first, slots, limit),
         hand_overs(records, limit),
         behind_batch(dump, other) if other is not None else None,
     ):

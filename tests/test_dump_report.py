@@ -9,6 +9,7 @@ from benchmarks.dump_report import (
     behind_ideal,
     child_split,
     hand_overs,
+    lost_while_startable,
     slot_time,
 )
 
@@ -34,6 +35,43 @@ def test_slot_time_splits_idle_time_into_start_gaps_and_tail() -> None:
     # one gap of 2, tail 0. Means over the 3 slots: start 38.3, gaps 0.7, tail 126.3.
     assert line == (
         "slot time (ms per slot, 3 slots): start 38.3, gaps 0.7 (median gap 2.00), tail 126.3"
+    )
+
+
+def test_slot_time_lost_while_a_task_could_start_is_split_by_tenth_of_the_batch() -> None:
+    # Two slots, limit 1. Lost: b could start in the free slot from 0 to 5 ms; a's second
+    # run from a's first end (80 ms) to its start (110 ms), 5 ms of it while b ran and 25 ms
+    # with both slots free (one task, one slot); a's third from 190 to 192 ms. In all 37 ms,
+    # 18.5 per slot. Tenths of the 272 ms batch are 27.2 ms wide: 5 ms in the first,
+    # 80-81.6 in the third, 81.6-108.8 in the fourth, 108.8-110 in the fifth, 190-190.4 in
+    # the seventh and 190.4-192 in the eighth.
+    line = lost_while_startable(RUNS, 0.0, slots=2, limit=1)
+    assert line == (
+        "lost while a task could start (ms per slot): 18.5; by tenth of the batch: "
+        "2.5, 0.0, 0.8, 13.6, 0.6, 0.0, 0.2, 0.8, 0.0, 0.0"
+    )
+
+
+def test_nothing_is_lost_where_every_waiting_task_is_held_back_by_its_limit() -> None:
+    # Limit 1, two slots, key "a" only: the second slot is free throughout, but only one
+    # "a" may run; the hand-over gap of 10 ms is lost. A run over the limit (a plain batch's
+    # over-admission) makes no room for more.
+    runs = [
+        _run("a", 0.0, 0.000, 0.050, 1, "w1"),
+        _run("a", 0.0, 0.060, 0.110, 1, "w1"),
+        _run("a", 0.0, 0.060, 0.110, 2, "w1"),
+    ]
+    assert lost_while_startable(runs, 0.0, slots=2, limit=1).startswith(
+        "lost while a task could start (ms per slot): 5.0; "
+    )
+
+
+def test_a_batch_sent_before_its_workers_consumed_counts_from_when_they_did() -> None:
+    # Sent at 0 while the workers did not consume; they started at 1.0 (the first send the
+    # benchmark records), and the run started 4 ms later: 4 ms lost in one slot, not 1004.
+    runs = [_run("a", 0.0, 1.004, 1.054, 1, "w1")]
+    assert lost_while_startable(runs, 1.0, slots=1, limit=1).startswith(
+        "lost while a task could start (ms per slot): 4.0; "
     )
 
 
