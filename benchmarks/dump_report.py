@@ -37,7 +37,7 @@ import argparse
 import itertools
 import json
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 from benchmarks.scenarios import ideal_schedule
@@ -138,12 +138,11 @@ def lost_while_startable(records: list[Record], first_sent: float, slots: int, l
     batch's first send; a batch sent before its workers consumed counts from when they did)."""
     first, end = first_sent, max(r["end"] for r in records)
     records = [{**r, "sent": max(r["sent"], first)} for r in records]
-    keys = sorted({r["key"] for r in records})
     moments = sorted({first, *(t for r in records for t in (r["sent"], r["start"], r["end"]))})
     tenths = [0.0] * 10
     width = (end - first) / 10
     for a, b in itertools.pairwise(moments):
-        lost = _startable(records, keys, slots, limit, (a + b) / 2)
+        lost = _startable(records, slots, limit, (a + b) / 2)
         if not lost:
             continue
         for i in range(10):  # the share of [a, b) in each tenth
@@ -158,21 +157,13 @@ def lost_while_startable(records: list[Record], first_sent: float, slots: int, l
     )
 
 
-def _startable(records: list[Record], keys: list[str], slots: int, limit: int, at: float) -> int:
+def _startable(records: list[Record], slots: int, limit: int, at: float) -> int:
     """How many free slots a task could have started in at ``at``: the free slots, at most
     the tasks sent and not started there whose keys were under their limit."""
-    running = waiting = 0
-    could: dict[str, int] = dict.fromkeys(keys, 0)
-    live: dict[str, int] = dict.fromkeys(keys, 0)
-    for r in records:
-        if r["start"] <= at < r["end"]:
-            running += 1
-            live[r["key"]] += 1
-        elif r["sent"] <= at < r["start"]:
-            could[r["key"]] += 1
-    for key in keys:
-        waiting += min(max(limit - live[key], 0), could[key])
-    return max(min(slots - running, waiting), 0)
+    live: Counter[str] = Counter(r["key"] for r in records if r["start"] <= at < r["end"])
+    queued: Counter[str] = Counter(r["key"] for r in records if r["sent"] <= at < r["start"])
+    startable = sum(min(max(limit - live[key], 0), n) for key, n in queued.items())
+    return max(min(slots - live.total(), startable), 0)
 
 
 def hand_overs(records: list[Record], limit: int) -> str:
