@@ -167,7 +167,9 @@ def test_off_by_default_without_importing_prometheus_client() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_a_metrics_port_already_taken_is_logged_as_well_as_raised(caplog):
+def test_a_metrics_port_already_taken_is_logged_as_well_as_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # Raised alone, it vanished in the example's worker_init receiver: Celery's signal
     # dispatch catches it, and the worker printed nothing of it.
     with socket.create_server(("127.0.0.1", 0)) as taken:

@@ -36,7 +36,7 @@ def test_a_first_start_moves_off_a_port_taken_before_the_bind(which: str) -> Non
             server.kill()
 
 
-def test_a_port_another_server_answers_on_is_not_taken_for_ours():
+def test_a_port_another_server_answers_on_is_not_taken_for_ours() -> None:
     # The likeliest thief of a port is another test's server: its answers are not ours.
     with server_process(tag="other") as other, _tempdir("ours") as directory:
         ours = ServerProcess([], directory, port=other.port)
@@ -50,7 +50,7 @@ def test_a_port_another_server_answers_on_is_not_taken_for_ours():
             ours.kill()
 
 
-def test_a_restart_keeps_its_port_and_fails_if_it_is_taken():
+def test_a_restart_keeps_its_port_and_fails_if_it_is_taken() -> None:
     # Clients know the address of a server that answered once: it never moves.
     with _tempdir("restart") as directory:
         server = ServerProcess([], directory)
