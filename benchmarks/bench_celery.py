@@ -74,6 +74,7 @@ from celery import Celery
 from celery.signals import task_postrun, task_prerun, task_received, worker_shutdown
 
 from benchmarks._brokers import AMQP_URL, Broker
+from benchmarks.cpu import CpuMeter, CpuReading, local_redis_pid, per_task
 from celery_redsem import FairSemaphore, Permit, get_client, with_semaphore
 from celery_redsem.integration.waiting import WAIT_HEADER
 
@@ -290,6 +291,7 @@ class Batch:
     records: list[dict[str, Any]]
     over: int
     received: int | None  # deliveries the workers received (None: a worker did not report)
+    cpu: CpuReading | None = None  # CPU milliseconds per task (None: not measured)
 
     def of(self, keys: set[str]) -> list[dict[str, Any]]:
         return [r for r in self.records if r["key"] in keys]
@@ -387,8 +389,9 @@ def warm_up(bench: Bench, tag: str, count: int) -> None:
 @contextlib.contextmanager
 def worker_set(
     bench: Bench, tag: str, *, workers: int, concurrency: int, limit: int
-) -> Iterator[None]:
-    """Fresh workers for one phase, ready and warmed up; stopped (warm shutdown) afterwards."""
+) -> Iterator[CpuMeter]:
+    """Fresh workers for one phase, ready and warmed up, and a meter of the CPU they and the
+    local Redis servers spend; stopped (warm shutdown) afterwards."""
     procs = start_workers(
         bench, tag, workers, concurrency, limit, Path(os.environ.get("TMPDIR", "/tmp"))
     )
@@ -396,7 +399,8 @@ def worker_set(
         wait_workers_ready(bench.app, workers)
         warm = bench.args.warmup
         warm_up(bench, tag, 4 * workers * concurrency if warm is None else warm)
-        yield
+        servers = [bench.url, *([bench.broker.url] if bench.broker.is_redis else [])]
+        yield CpuMeter([proc.pid for proc in procs], [local_redis_pid(url) for url in servers])
     finally:
         stop_workers(procs)
 
@@ -435,21 +439,25 @@ def run_rounds(
     during the run weighs on both alike. Batch ``r`` of ``mode`` is tagged ``mode-r``."""
     tag = "-".join(modes)
     sent: dict[str, list[float]] = {}
-    with worker_set(bench, tag, workers=workers, concurrency=concurrency, limit=limit):
+    cpu: dict[str, CpuReading | None] = {}
+    with worker_set(bench, tag, workers=workers, concurrency=concurrency, limit=limit) as meter:
         for r in range(rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
+                before = meter.read()
                 sent[f"{mode}-{r}"] = send_batch(
                     bench, mode, f"{mode}-{r}", keys, seconds, workers=workers
                 )
-    return {
-        mode: [
-            collect_batch(
-                bench, f"{mode}-{r}", keys, sent[f"{mode}-{r}"], worker_tag=tag, workers=workers
+                cpu[f"{mode}-{r}"] = per_task(before, meter.read(), len(keys))
+    batches: dict[str, list[Batch]] = {mode: [] for mode in modes}
+    for mode in modes:
+        for r in range(rounds):
+            batch_tag = f"{mode}-{r}"
+            batch = collect_batch(
+                bench, batch_tag, keys, sent[batch_tag], worker_tag=tag, workers=workers
             )
-            for r in range(rounds)
-        ]
-        for mode in modes
-    }
+            batch.cpu = cpu[batch_tag]
+            batches[mode].append(batch)
+    return batches
 
 
 def send_batch(

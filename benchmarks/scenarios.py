@@ -24,6 +24,7 @@ import redis
 from benchmarks._brokers import Broker, amqp_broker, drop_queue, host_line
 from benchmarks._server import BenchServer, bench_server, delete_prefix, unique_prefix
 from benchmarks.bench_celery import Batch, Bench, make_app, run_batch, run_rounds
+from benchmarks.cpu import compare_line
 
 BACKLOG_GUARDED = (1, 4)  # one worker -c 4
 BACKLOG_SPREAD = (2, 4)  # two workers -c 4
@@ -275,6 +276,7 @@ def uncontended(bench: Bench) -> bool:
             print(row(batch.tag, f"{workers} x c{concurrency}", batch, extra))
         ratios.append(plain.makespan / fair.makespan)
     print("round ratios guarded/plain: " + ", ".join(f"{x:.2f}" for x in ratios))
+    print_cpu(batches["fair"], batches["plain"])
     return print_targets(
         [
             Target("throughput guarded/plain (median round)", statistics.median(ratios), 0.95),
@@ -358,6 +360,7 @@ def mixed(bench: Bench) -> bool:
         ]
         if rounds > 1:
             print("round ratios fair/plain utilization: " + ", ".join(f"{x:.2f}" for x in ratios))
+        print_cpu(by_mode["fair"], by_mode["plain"])
         targets.append(Target("fair utilization / plain's", median(ratios), 0.95))
     p99s = [r.p99_ratio for r in fair]
     p99 = None if None in p99s else median(x for x in p99s if x is not None)
@@ -366,6 +369,13 @@ def mixed(bench: Bench) -> bool:
     if rounds > 1:
         print("(figures: the median of the rounds')")
     return print_targets(targets)
+
+
+def print_cpu(guarded: list[Batch], plain: list[Batch]) -> None:
+    """The CPU a guarded and a plain task cost, where it was measured (:mod:`benchmarks.cpu`)."""
+    line = compare_line((b.cpu for b in guarded), (b.cpu for b in plain))
+    if line is not None:
+        print(line)
 
 
 def print_mixed_table(results: dict[str, list[Versus]]) -> None:
