@@ -25,6 +25,9 @@ Scenarios (:mod:`benchmarks.scenarios`; sizes by option, all task counts times `
 turns (guarded, plain; plain, guarded; ...), and take each figure as the median of the rounds':
 a 2 s batch on a shared 2-vCPU host varies by 10-20% from one run to the next, far more than
 the difference measured, and batches next to each other on the same workers see the same host.
+Both also print the CPU a guarded and a plain task cost, in milliseconds per task, by process:
+the workers' main processes, their pool children and the Redis servers on this host
+(:mod:`benchmarks.cpu`; Linux only).
 
 Without ``--scenario``, the classic run, on the Redis broker unless ``--brokers`` says
 otherwise: N short tasks (``--tasks`` 400 x ``--duration`` 50 ms) over ``--keys`` (8) with
