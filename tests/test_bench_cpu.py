@@ -58,7 +58,7 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_childs_cpu_counts_as_its_parents_childrens(busy_family: subprocess.Popen[str]) -> None:
+def test_a_workers_child_counts_under_children(busy_family: subprocess.Popen[str]) -> None:
     meter = CpuMeter([busy_family.pid], [])
     _wait_for(lambda: (r := meter.read()) is not None and r.children > 0)
     first = meter.read()
