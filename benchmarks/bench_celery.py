@@ -392,9 +392,9 @@ def warm_up(bench: Bench, tag: str, count: int) -> None:
 @contextlib.contextmanager
 def worker_set(
     bench: Bench, tag: str, *, workers: int, concurrency: int, limit: int
-) -> Iterator[CpuMeter]:
-    """Fresh workers for one phase, ready and warmed up, and a meter of the CPU they and the
-    local Redis servers spend; stopped (warm shutdown) afterwards."""
+) -> Iterator[list[int]]:
+    """Fresh workers for one phase, ready and warmed up (their process ids); stopped (warm
+    shutdown) afterwards."""
     procs = start_workers(
         bench, tag, workers, concurrency, limit, Path(os.environ.get("TMPDIR", "/tmp"))
     )
@@ -402,8 +402,7 @@ def worker_set(
         wait_workers_ready(bench.app, workers)
         warm = bench.args.warmup
         warm_up(bench, tag, 4 * workers * concurrency if warm is None else warm)
-        servers = [bench.url, *([bench.broker.url] if bench.broker.is_redis else [])]
-        yield CpuMeter([proc.pid for proc in procs], [local_redis_pid(url) for url in servers])
+        yield [proc.pid for proc in procs]
     finally:
         stop_workers(procs)
 
@@ -443,14 +442,15 @@ def run_rounds(
     tag = "-".join(modes)
     sent: dict[str, list[float]] = {}
     cpu: dict[str, CpuReading | None] = {}
-    with worker_set(bench, tag, workers=workers, concurrency=concurrency, limit=limit) as meter:
+    with worker_set(bench, tag, workers=workers, concurrency=concurrency, limit=limit) as pids:
+        servers = [bench.url, *([bench.broker.url] if bench.broker.is_redis else [])]
+        meter = CpuMeter(pids, [local_redis_pid(url) for url in servers])
         for r in range(rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
+                batch_tag = f"{mode}-{r}"
                 before = meter.read()
-                sent[f"{mode}-{r}"] = send_batch(
-                    bench, mode, f"{mode}-{r}", keys, seconds, workers=workers
-                )
-                cpu[f"{mode}-{r}"] = per_task(before, meter.read(), len(keys))
+                sent[batch_tag] = send_batch(bench, mode, batch_tag, keys, seconds, workers=workers)
+                cpu[batch_tag] = per_task(before, meter.read(), len(keys))
     batches: dict[str, list[Batch]] = {mode: [] for mode in modes}
     for mode in modes:
         for r in range(rounds):
