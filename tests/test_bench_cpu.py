@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,6 +18,7 @@ from benchmarks.cpu import (
     median_reading,
     per_task,
 )
+from tests.servers import wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
 
@@ -51,19 +51,16 @@ def busy_family() -> Iterator[subprocess.Popen[str]]:
         proc.stdout.close()
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_a_workers_child_counts_under_children(busy_family: subprocess.Popen[str]) -> None:
     meter = CpuMeter([busy_family.pid], [])
-    _wait_for(lambda: (r := meter.read()) is not None and r.children > 0)
+    wait_until(lambda: (r := meter.read()) is not None and r.children > 0, 10, what="child CPU")
     first = meter.read()
     assert first is not None
-    _wait_for(lambda: (r := meter.read()) is not None and r.children >= first.children + 0.2)
+    wait_until(
+        lambda: (r := meter.read()) is not None and r.children >= first.children + 0.2,
+        10,
+        what="0.2 s more of the child's CPU",
+    )
     last = meter.read()
     assert last is not None
     spent = last - first
