@@ -122,9 +122,9 @@ def test_raise_policy_interrupts_the_running_thread(
     armed = threading.Event()
 
     def body() -> None:
-        held.arm()
-        armed.set()
-        try:
+        try:  # (armed inside the try: the interrupt may come at any step after it)
+            held.arm()
+            armed.set()
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 time.sleep(0.01)
