@@ -308,10 +308,15 @@ class Versus:
         return None if self.ideal_p99 < IDEAL_P99_FLOOR else self.p99 / self.ideal_p99
 
 
-def versus_ideal(batch: Batch, slots: int, limit: int) -> Versus:
+def _sent_from_first(batch: Batch) -> list[float]:
+    """``batch``'s send times, in seconds after its first send."""
     t0 = min(batch.sent)
+    return [s - t0 for s in batch.sent]
+
+
+def versus_ideal(batch: Batch, slots: int, limit: int) -> Versus:
     waits = [r["start"] - r["sent"] for r in batch.records]
-    sent = [s - t0 for s in batch.sent]
+    sent = _sent_from_first(batch)
     ideal_start = ideal_schedule(sent, batch.keys, slots, limit, batch.body)
     ideal_waits = [start - s for start, s in zip(ideal_start, sent, strict=True)]
     return Versus(
@@ -361,7 +366,7 @@ def mixed(bench: Bench) -> bool:
         if rounds > 1:
             print("round ratios fair/plain utilization: " + ", ".join(f"{x:.2f}" for x in ratios))
         print_cpu(by_mode["fair"], by_mode["plain"])
-        ceiling = median(limit_ceiling(r.batch, slots, a.limit) for r in fair)
+        ceiling = median(limit_ceiling(r, slots) for r in fair)
         print(
             f"the limit's own cost: the ideal without it is {ceiling:.3f} of the ideal with "
             f"it, so keeping the limit reaches at most {ceiling:.2f} of plain's utilization "
@@ -377,15 +382,13 @@ def mixed(bench: Bench) -> bool:
     return print_targets(targets)
 
 
-def limit_ceiling(batch: Batch, slots: int, limit: int) -> float:
-    """The ideal FIFO makespan without the limit over the one with it, for ``batch``'s send
-    times: the most of plain's utilization a dispatcher that keeps the limit can reach where
-    plain (which over-admits) runs at the ideal without it."""
-    t0 = min(batch.sent)
-    sent = [s - t0 for s in batch.sent]
-    free = ideal_schedule(sent, batch.keys, slots, len(sent), batch.body)
-    kept = ideal_schedule(sent, batch.keys, slots, limit, batch.body)
-    return (max(free) + batch.body) / (max(kept) + batch.body)
+def limit_ceiling(versus: Versus, slots: int) -> float:
+    """The ideal FIFO makespan without the limit over the one with it (``versus``'s), for the
+    same send times: the most of plain's utilization a dispatcher that keeps the limit can
+    reach where plain (which over-admits) runs at the ideal without it."""
+    batch = versus.batch
+    free = ideal_schedule(_sent_from_first(batch), batch.keys, slots, len(batch.sent), batch.body)
+    return (max(free) + batch.body) / versus.ideal_makespan
 
 
 def print_cpu(guarded: list[Batch], plain: list[Batch]) -> None:

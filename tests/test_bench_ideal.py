@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.bench_celery import Batch
-from benchmarks.scenarios import ideal_schedule, limit_ceiling
+from benchmarks.scenarios import ideal_schedule, limit_ceiling, versus_ideal
 
 
 def _batch(keys: list[str], body: float = 0.1) -> Batch:
@@ -25,8 +25,10 @@ def test_the_ideal_starts_the_earliest_sent_task_its_limit_allows() -> None:
 
 def test_a_limit_that_binds_costs_the_ideal_its_share_of_the_makespan() -> None:
     # Two slots, limit 1, two tasks of one key: 0.1 s without the limit, 0.2 s with it.
-    assert limit_ceiling(_batch(["a", "a"]), slots=2, limit=1) == 0.5
+    assert limit_ceiling(versus_ideal(_batch(["a", "a"]), slots=2, limit=1), slots=2) == 0.5
 
 
 def test_a_limit_that_never_binds_costs_nothing() -> None:
-    assert limit_ceiling(_batch(["a", "b", "c", "a"]), slots=2, limit=2) == 1.0
+    assert (
+        limit_ceiling(versus_ideal(_batch(["a", "b", "c", "a"]), slots=2, limit=2), slots=2) == 1.0
+    )
