@@ -326,7 +326,7 @@ def start_workers(
         ENV_NAIVE_COUNTDOWN: str(args.naive_countdown),
         ENV_SETTINGS: json.dumps(args.settings),
         ENV_STAMPS: "1" if args.dump else "",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     procs = []
     for i in range(workers):
