@@ -37,26 +37,26 @@ from celery_redsem.core.semaphore import FairSemaphore, Lock
 from celery_redsem.core.state import read_state
 
 if _TYPE_CHECKING:
-    from celery_redsem.integration.config import RedsemConfig, get_client, get_config
-    from celery_redsem.integration.decorators import (
+    from celery_redsem.integration.guards.decorators import (
         current_permit,
         with_lock,
         with_rate_limit,
         with_semaphore,
     )
+    from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
 
 __version__ = "0.1.0"
 
 #: Names that need Celery, by the module that defines them: imported on first access, so
 #: ``import celery_redsem.core`` (which runs this file first) stays free of Celery.
 _CELERY_NAMES = {
-    "RedsemConfig": "celery_redsem.integration.config",
-    "get_client": "celery_redsem.integration.config",
-    "get_config": "celery_redsem.integration.config",
-    "current_permit": "celery_redsem.integration.decorators",
-    "with_lock": "celery_redsem.integration.decorators",
-    "with_rate_limit": "celery_redsem.integration.decorators",
-    "with_semaphore": "celery_redsem.integration.decorators",
+    "RedsemConfig": "celery_redsem.integration.settings",
+    "get_client": "celery_redsem.integration.settings",
+    "get_config": "celery_redsem.integration.settings",
+    "current_permit": "celery_redsem.integration.guards.decorators",
+    "with_lock": "celery_redsem.integration.guards.decorators",
+    "with_rate_limit": "celery_redsem.integration.guards.decorators",
+    "with_semaphore": "celery_redsem.integration.guards.decorators",
 }
 
 

@@ -1,7 +1,26 @@
-"""The signals celery_redsem sends (:data:`task_skipped`); importing this imports Celery."""
+"""Signals celery_redsem sends, for users to connect to (as Celery's own signals)::
+
+    from celery_redsem.signals import task_skipped
+
+    @task_skipped.connect
+    def note_skip(sender, task_id, name, reason, **kwargs):
+        metrics.increment(f"skipped.{sender.name}.{reason}")
+
+Importing this imports Celery.
+"""
 
 from __future__ import annotations
 
-from celery_redsem.integration.signals import task_skipped
+from celery.utils.dispatch import Signal
 
 __all__ = ["task_skipped"]
+
+#: Sent in the process that ran the task when a run ended without its body and in state
+#: SUCCESS with result None: ``sender`` is the task, ``task_id`` the run's id, ``name`` the
+#: semaphore name, ``reason`` ``"busy"`` (``on_busy="skip"`` found no permit free) or
+#: ``"duplicate"`` (``dedupe=True``: another run of the key is queued or running), ``args``
+#: and ``kwargs`` the run's arguments.
+task_skipped = Signal(
+    name="task_skipped",
+    providing_args=["task_id", "name", "reason", "args", "kwargs"],
+)

@@ -14,7 +14,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_redsem import FairSemaphore, Lock, Permit
-from celery_redsem.integration.config import reset
+from celery_redsem.integration.settings import reset
 from celery_redsem.ops.cli import redsem
 
 #: Set by the ``app`` fixture so that ``celery -A tests.test_cli:cli_app`` finds it.

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import celery_redsem
-from celery_redsem.integration.config import SETTINGS
+from celery_redsem.integration.settings import SETTINGS
 
 PACKAGE = Path(celery_redsem.__file__).parent
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -17,12 +17,14 @@ CONFVAL = re.compile(r"^\.\. confval:: (\S+)\s*$", re.MULTILINE)
 
 def not_settings() -> set[str]:
     """``redsem_*`` strings of the package that are not settings (a message header, ...)."""
-    from celery_redsem.integration import dedupe, handoff, standby, waiting
+    from celery_redsem.integration import line, wire
+    from celery_redsem.integration.admission import standby
+    from celery_redsem.integration.dedupe import run_mark
 
     return {
-        waiting.WAIT_HEADER,
-        handoff.GRANT_FIELD,
-        dedupe.DUPLICATE_FIELD,
+        line.WAIT_HEADER,
+        wire.GRANT_FIELD,
+        run_mark.DUPLICATE_FIELD,
         standby.STANDBY_FIELD,
     }
 

@@ -135,7 +135,7 @@ def test_the_asyncio_package_imports_only_itself_and_the_core():
 
 
 def test_the_import_graph_reads_lazy_and_type_checking_imports():
-    assert "celery_redsem.integration.config" in imports_of("celery_redsem")  # lazy loader
+    assert "celery_redsem.integration.settings" in imports_of("celery_redsem")  # lazy loader
     assert "celery_redsem.core.semaphore" in imports_of("celery_redsem")
 
 
@@ -213,7 +213,7 @@ def _keyword_only(function: typing.Callable[..., object]) -> list[str]:
 
 def test_with_semaphore_takes_exactly_the_guard_options_and_with_lock_passes_them_on():
     from celery_redsem import with_lock, with_semaphore
-    from celery_redsem.integration.task_guard import GuardOptions
+    from celery_redsem.integration.guards.semaphore_guard import GuardOptions
 
     assert _keyword_only(with_semaphore) == list(typing.get_type_hints(GuardOptions))
     assert list(inspect.signature(with_lock).parameters) == ["key", "options"]

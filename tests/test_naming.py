@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_redsem.core.errors import KeyFunctionError
-from celery_redsem.integration.naming import ByName, _SimpleBinding
+from celery_redsem.integration.guards.naming import ByName, _SimpleBinding
 
 
 def two(a: Any, b: Any) -> None: ...

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from celery_redsem import ConfigurationError, RedsemConfig, get_client
 from celery_redsem.core.clients import client_from_url
-from celery_redsem.integration.config import reset
+from celery_redsem.integration.settings import reset
 from celery_redsem.ops.cli import redsem
 
 PASSWORD = "S3cr3t-7Qx"

@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_redsem import BackendError, FairSemaphore, Permit, with_lock
-from celery_redsem.integration.config import reset
+from celery_redsem.integration.settings import reset
 from tests.servers import HOST, wait_until
 
 

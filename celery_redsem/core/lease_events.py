@@ -1,7 +1,7 @@
 """Listeners told when a held permit's lease is lost: the heartbeat found it expired or gone,
 or the release found it no longer held (each loss is told once).
 
-The core does not know who listens; :mod:`celery_redsem.integration.metrics` counts losses
+The core does not know who listens; :mod:`celery_redsem.metrics` counts losses
 this way. A listener runs in the thread that found the loss (often the heartbeat's): keep it
 quick. One that raises is logged and does not stop the others.
 """

@@ -71,7 +71,7 @@ def _target(ctx: click.Context) -> _Target:
     app = getattr(ctx.obj, "app", None)
     if app is None:
         _fail("no Celery app: run this as `celery -A proj redsem ...`")
-    from celery_redsem.integration.config import get_client, get_config
+    from celery_redsem.integration.settings import get_client, get_config
 
     try:
         config = get_config(app)

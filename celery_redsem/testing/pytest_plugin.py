@@ -8,7 +8,7 @@ through the ``pytest11`` entry point; nothing starts unless a test uses a fixtur
   return yours; by default, a fresh app with an in-memory broker and result backend.
 * ``redsem_configure``: ``redsem_configure(app, **settings)`` points ``app``'s semaphores at
   the server under the test's prefix, sets any other ``app.conf`` settings given
-  (``task_always_eager=True``), and calls :func:`celery_redsem.integration.config.reset`;
+  (``task_always_eager=True``), and calls :func:`celery_redsem.integration.settings.reset`;
   after the test the settings are restored and ``reset`` is called again.
 * ``redsem_app``: ``redsem_celery_app`` so configured.
 """
@@ -72,7 +72,7 @@ def redsem_configure(
 ) -> Iterator[Callable[..., Celery]]:
     """``redsem_configure(app, **settings)``: ``app`` set up for this test (see the module
     docstring), then restored after it."""
-    from celery_redsem.integration.config import reset
+    from celery_redsem.integration.settings import reset
 
     saved: list[tuple[Celery, dict[str, Any]]] = []
 

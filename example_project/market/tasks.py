@@ -26,7 +26,7 @@ from celery_redsem import (
     with_rate_limit,
     with_semaphore,
 )
-from celery_redsem.integration.waiting import WAIT_HEADER
+from celery_redsem.integration.line import WAIT_HEADER
 
 from . import market_api
 

@@ -22,7 +22,7 @@ def start_metrics(**_: Any) -> None:
     """In the worker's main process, before the pool starts its children (they inherit it)."""
     port = os.environ.get(PORT_VARIABLE)
     if port:
-        from celery_redsem.integration.metrics import enable_metrics, serve_metrics
+        from celery_redsem.metrics import enable_metrics, serve_metrics
 
         enable_metrics()
         serve_metrics(int(port))

@@ -44,7 +44,7 @@ def example_app(redis_url: str) -> Any:
 @pytest.fixture
 def example(example_app: Any, prefix: str, settings_override: None) -> Iterator[Any]:
     """The app with this test's own key prefix for semaphores (and for the market's books)."""
-    from celery_redsem.integration.config import reset
+    from celery_redsem.integration.settings import reset
 
     example_app.conf.redsem_key_prefix = prefix
     reset(example_app)

@@ -15,9 +15,9 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import FairSemaphore, Permit, get_client, get_config
 from celery_redsem.core.keys import SemaphoreKeys
-from celery_redsem.integration.config import SETTINGS
-from celery_redsem.integration.rate_guard import rate_guards_of
-from celery_redsem.integration.task_guard import guards_of
+from celery_redsem.integration.guards.rate_guard import rate_guards_of
+from celery_redsem.integration.guards.semaphore_guard import guards_of
+from celery_redsem.integration.settings import SETTINGS
 from tests.example.conftest import EXAMPLE_DIR
 from tests.servers import wait_until
 

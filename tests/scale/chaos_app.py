@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from tests.celery.tasks import make_app
+from tests.integration.apps.tasks import make_app
 
 app = make_app(
     os.environ["REDSEM_TEST_APP_URL"],

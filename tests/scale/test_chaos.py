@@ -19,8 +19,8 @@ import pytest
 import redis
 from celery import Celery
 
-from tests.celery.conftest import WorkerProcess, close_app
-from tests.celery.tasks import make_app
+from tests.integration.apps.tasks import make_app
+from tests.integration.conftest import WorkerProcess, close_app
 from tests.servers import ServerProcess, server_process, wait_until
 
 pytestmark = [

@@ -20,7 +20,7 @@ from celery_redsem.core.errors import BackendError, ConfigurationError, NotEnoug
 from celery_redsem.core.heartbeat import Heartbeat, HeldPermit
 from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.scripts import REFRESH
-from celery_redsem.integration.config import reset
+from celery_redsem.integration.settings import reset
 from celery_redsem.ops.admin import states
 from celery_redsem.ops.cli import redsem
 from tests.scale.acl import PASSWORD, create_user

@@ -12,9 +12,9 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import BackendError, FairSemaphore, Lock, Permit, Waiting, read_state
 from celery_redsem.core.errors import ConfigurationError, NotEnoughReplicas
-from celery_redsem.integration.config import get_client
-from tests.celery.conftest import close_app
-from tests.celery.tasks import make_app
+from celery_redsem.integration.settings import get_client
+from tests.integration.apps.tasks import make_app
+from tests.integration.conftest import close_app
 from tests.servers import Replicated, primary_with_replica, wait_until
 
 pytestmark = pytest.mark.slow

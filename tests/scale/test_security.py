@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from celery_redsem import FairSemaphore, Lock, Permit, read_state, refresh_permits
 from celery_redsem.core.clients import client_from_url, redact_url
 from celery_redsem.core.errors import BackendError, ConfigurationError, NotEnoughReplicas
-from celery_redsem.integration.config import reset
+from celery_redsem.integration.settings import reset
 from celery_redsem.ops.admin import force_release, purge, states
 from celery_redsem.ops.cli import redsem
 from tests.scale.acl import LUA, PASSWORD, create_user, documented_acl_rule

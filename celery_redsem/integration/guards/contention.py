@@ -1,0 +1,264 @@
+"""A run in a pool child asking for its permit: it gets one, waits in its slot, or retries.
+
+:class:`WorkerAsk` asks once (joining the FIFO line under the run's permit id); without a
+permit it waits for it in its slot if it is near
+(:func:`~celery_redsem.integration.policy.head_wait_budget`), else it re-publishes the task
+with a countdown and raises Celery's ``Retry``, its place in line holding a free permit for it
+only from about when it is expected back (the countdown plus the delivery delay learnt for its
+queue, :class:`~celery_redsem.integration.policy.ReturnDelays`). That contention retry keeps
+``request.retries`` as it is and never touches ``max_retries``; its count and timing travel in
+the ``redsem_wait`` header (:class:`~celery_redsem.integration.line.WaitState`). A task whose
+wait exceeds ``max_wait`` leaves the line and fails with :class:`~celery_redsem.AcquireTimeout`.
+
+When Redis cannot be reached (a :class:`~celery_redsem.BackendError` that is
+:attr:`~celery_redsem.BackendError.transient`) the task is retried the same way, with an
+exponential backoff counted apart in the header; that time counts toward ``max_wait``, after
+which the task fails with the ``BackendError``. A refusal no retry can fix (a wrong password,
+a missing ACL permission, a script error) fails the task at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, NoReturn, cast
+
+from celery import Task
+from celery.app.task import Context
+from celery.exceptions import Retry
+
+from celery_redsem.core.errors import AcquireTimeout, BackendError
+from celery_redsem.core.permit_ids import permit_id_of
+from celery_redsem.core.permits import Permit
+from celery_redsem.core.semaphore import FairSemaphore
+from celery_redsem.integration.line import (
+    WaitState,
+    attempt,
+    headers_with_wait,
+    present_waiter_lease,
+    read_wait,
+    release_quietly,
+    server_ms,
+    wait_in_slot,
+)
+from celery_redsem.integration.policy import (
+    contention_countdown,
+    error_countdown,
+    head_wait_budget,
+    hold_times,
+    return_delays,
+)
+from celery_redsem.integration.settings import RedsemConfig
+from celery_redsem.metrics import record_timeout, record_wait
+
+__all__ = ["WorkerAsk"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerAsk:
+    """One run of a guarded task in a pool child, asking for a permit of semaphore ``name``."""
+
+    task: Task[Any, Any]
+    request: Context
+    name: str
+    limit: int
+    #: The wait budget in seconds (None: no cap).
+    max_wait: float | None
+    config: RedsemConfig
+
+    def permit_or_retry(self, sem: FairSemaphore) -> Permit:
+        """A permit of ``sem``; raises Celery's ``Retry`` (or fails) when none can be had."""
+        wait = read_wait(self.request)
+        started = time.monotonic()
+        try:
+            return self._attempt_or_wait(sem, wait)
+        except BackendError as exc:
+            self.retry_after_error(exc, started=started)
+
+    def _attempt_or_wait(self, sem: FairSemaphore, wait: WaitState) -> Permit:
+        """Ask once; wait in the slot if the permit is near, else re-publish with a countdown."""
+        task, request, config = self.task, self.request, self.config
+        permit_id = permit_id_of(request)  # this run's: see run_permit_id
+        queue = _queue_of(task, request)
+        waiter_lease = present_waiter_lease(config)
+        result = attempt(sem, permit_id, waiter_lease=waiter_lease)
+        now_ms = server_ms(result, waiter_lease)
+        if wait.due_ms and not wait.offline_ms:  # back from a contention retry: how late?
+            return_delays.observe(queue, (now_ms - wait.due_ms) / 1000)
+        if isinstance(result, Permit):
+            return result
+        # The first answer from Redis starts the wait, backdated by any time spent unable to
+        # reach it before that.
+        # (Never later than now: a header claiming so, forged or from a server whose clock
+        # went back, would stop the wait from ever counting toward max_wait.)
+        first_ms = min(wait.first_ms or now_ms - wait.offline_ms, now_ms)
+        waited = max(0, now_ms - first_ms) / 1000
+        max_wait = self.max_wait
+        hold = hold_times.estimate(task.name)
+        budget = head_wait_budget(
+            position=result.position,
+            limit=sem.limit,
+            hold_estimate=hold,
+            head_wait=config.head_wait,
+        )
+        if max_wait is not None:
+            budget = min(budget, max_wait - waited)
+        if budget > 0:
+            result = wait_in_slot(
+                sem, permit_id, result, waiter_lease=waiter_lease, seconds=budget, hold=hold
+            )
+            if isinstance(result, Permit):
+                return result
+            now_ms = server_ms(result, waiter_lease)
+            waited = max(0, now_ms - first_ms) / 1000
+        if max_wait is not None and waited >= max_wait:
+            release_quietly(sem, permit_id)
+            record_timeout(task.name)
+            raise AcquireTimeout(
+                f"task {task.name}[{request.id}] waited {waited:.1f}s for a permit of "
+                f"{sem.name!r} (limit {sem.limit}) and gave up (max_wait={max_wait}s, "
+                f"{wait.attempts} retries, position {result.position} in line)",
+                name=sem.name,
+                permit_id=permit_id,
+            )
+        countdown = contention_countdown(
+            attempt=wait.attempts,
+            position=result.position,
+            limit=sem.limit,
+            hold_estimate=hold,
+            backoff=config.retry_backoff,
+            backoff_max=config.retry_backoff_max,
+            jitter=config.retry_jitter,
+            floor=config.retry_min_countdown,
+        )
+        countdown = self._within_budget(countdown, waited)
+        # Keep the place until the task is back. The broker hands the retry back only after
+        # the messages queued before it, so the task is back around its countdown plus the
+        # delay learnt for this queue; until then its place does not hold a free permit (one
+        # goes to whoever is present, in line order), and the place outlives that by the margin.
+        back_in = countdown + return_delays.estimate(queue)
+        again = attempt(
+            sem, permit_id, waiter_lease=back_in + config.waiter_margin, back_in=back_in
+        )
+        if isinstance(again, Permit):
+            return again
+        due_ms = now_ms + round(countdown * 1000)
+        after = WaitState(wait.attempts + 1, first_ms, wait.errors, due_ms, 0)
+        record_wait(task.name, "retry")
+        raise self.publish_retry(
+            countdown,
+            after,
+            release=sem,
+            reason=f"no permit of {sem.name!r} (limit {sem.limit}) yet; "
+            f"position {result.position} in line",
+        )
+
+    def retry_after_error(self, error: BackendError, *, started: float) -> NoReturn:
+        """Redis could not be reached (since monotonic time ``started``): retry through Celery
+        with a backoff, or fail at once if the error is not transient.
+
+        Like a contention retry it spares ``max_retries``; its own count travels in the header.
+        The time spent so (countdowns plus the failed tries) counts toward ``max_wait``, and
+        once that is spent the task fails with the :class:`BackendError`.
+        """
+        task, request, config, name = self.task, self.request, self.config, self.name
+        wait = read_wait(request)
+        task_id = cast(str, request.id)
+        if not error.transient:
+            raise BackendError(
+                f"task {task.name}[{task_id}] could not get a permit of {name!r} "
+                f"(limit {self.limit}): Redis refused in a way no retry can fix "
+                f"({type(error.__cause__).__name__}): {error}",
+                name=name,
+                permit_id=task_id,
+            ) from error
+        offline_ms = wait.offline_ms + round((time.monotonic() - started) * 1000)
+        # Without a server clock: the wait known at the last answer, plus the time offline.
+        known = max(0, wait.due_ms - wait.first_ms) if wait.first_ms else 0
+        waited = (known + offline_ms) / 1000
+        if self.max_wait is not None and waited >= self.max_wait:
+            raise BackendError(
+                f"task {task.name}[{task_id}] could not get a permit of {name!r} "
+                f"(limit {self.limit}) because Redis failed; it gave up after about "
+                f"{waited:.1f}s (max_wait={self.max_wait}s, {wait.errors} retries after Redis "
+                f"errors): {error}",
+                name=name,
+                permit_id=task_id,
+            ) from error
+        countdown = error_countdown(
+            attempt=wait.errors,
+            backoff=config.retry_backoff,
+            backoff_max=config.retry_backoff_max,
+            jitter=config.retry_jitter,
+            floor=config.retry_min_countdown,
+        )
+        countdown = self._within_budget(countdown, waited)
+        logger.warning(
+            "celery_redsem: %s[%s] could not reach Redis for a permit of %r, retrying in "
+            "%.2fs (retry %d after Redis errors): %s",
+            task.name,
+            task_id,
+            name,
+            countdown,
+            wait.errors + 1,
+            error,
+        )
+        after = WaitState(
+            wait.attempts,
+            wait.first_ms,
+            wait.errors + 1,
+            wait.due_ms,
+            offline_ms + round(countdown * 1000),
+        )
+        raise self.publish_retry(
+            countdown,
+            after,
+            release=None,
+            reason=f"Redis failed while asking for a permit of {name!r}: {error}",
+            error=error,
+        )
+
+    def _within_budget(self, countdown: float, waited: float) -> float:
+        """``countdown``, cut to what is left of ``max_wait`` (never below the minimum)."""
+        if self.max_wait is None:
+            return countdown
+        return max(self.config.retry_min_countdown, min(countdown, self.max_wait - waited))
+
+    def publish_retry(
+        self,
+        countdown: float,
+        wait: WaitState,
+        *,
+        release: FairSemaphore | None,
+        reason: str,
+        error: Exception | None = None,
+    ) -> Retry:
+        """Re-publish the task (same id) with ``countdown`` and ``wait`` in its header; return
+        the Celery ``Retry`` for the caller to raise, so this run ends in state RETRY.
+
+        If publishing fails, the place in ``release`` (if given) is given up before re-raising.
+        """
+        request = self.request
+        headers = headers_with_wait(request, wait)
+        sig = self.task.signature_from_request(request, countdown=countdown, headers=headers)
+        try:
+            sig.apply_async()
+        except Exception:
+            if release is not None:
+                release_quietly(release, permit_id_of(request))
+            raise
+        return Retry(
+            f"{reason}; asking again in {countdown:.3f}s",
+            exc=error,
+            when=cast(Any, countdown),
+            sig=sig,
+        )
+
+
+def _queue_of(task: Task[Any, Any], request: Context) -> str:
+    """The queue (routing key) the task came through: return delays are learnt per queue."""
+    info = request.delivery_info or {}
+    return str(info.get("routing_key") or getattr(task, "queue", None) or task.name)

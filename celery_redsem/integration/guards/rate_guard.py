@@ -1,0 +1,241 @@
+"""The guard of a ``@with_rate_limit`` task function: at most ``rate`` starts per key.
+
+:class:`RateGuard` names the limiter of a call as a semaphore is named
+(:class:`~celery_redsem.integration.guards.naming.KeyNaming`) and asks it once per run
+(:class:`~celery_redsem.core.rate_limit.RateLimiter`, one round trip), under the run's permit id
+(its task id), booking the next free slot when it is refused:
+
+* **In a worker** a refused run is re-published (same task id) with a countdown of exactly the
+  time until its booked slot, through the contention-retry path of
+  :class:`~celery_redsem.integration.guards.contention.WorkerAsk`: it keeps ``request.retries`` and
+  never
+  touches ``max_retries``. Back at its slot it asks again and is admitted on its booking, so
+  the runs of one key start in the order they first asked, and keys never wait for each other.
+  A wait shorter than :data:`IN_SLOT` (and ``redsem_head_wait``) is slept in the worker slot
+  instead: the broker trip would take about as long. A slot further than ``max_wait`` ahead is
+  not booked: the task fails with :class:`~celery_redsem.AcquireTimeout`. Redis errors retry as
+  for a semaphore.
+* **Eager and direct calls** sleep until their slot, for at most ``redsem_eager_timeout``.
+
+In a prefork worker, admission (:mod:`~celery_redsem.integration.admission.dispatcher`) asks first,
+at
+dispatch, for a task whose only guard is a rate guard: it *reserves* the run's slot (the next
+free one, kept for its task id) and parks the task in the main process until :data:`LEAD`
+before that slot, holding no pool slot and making no broker trip; then the task goes to its
+child, which takes the slot (sleeping the last moment in its slot). The admission that the rate
+spaces is the child's, just before the body starts: the time a task spends between dispatch and
+its child (more under load, and for a child's first task) never lets two starts come closer
+than the rate allows. A run admitted at dispatch, by contrast, could start late and bunch up
+with the next one.
+Stacked with ``@with_semaphore`` the outer decorator asks first; under it (the
+semaphore outermost) a run counts toward the rate only once it holds its permit. A permit the
+main process granted for an inner semaphore is given back when the rate guard retries the run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+from celery import Celery, Task
+from celery._state import get_current_app, get_current_task
+from celery.app.task import Context
+
+from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError
+from celery_redsem.core.permit_ids import permit_id_of
+from celery_redsem.core.rate_limit import RateLimiter, RateResult, parse_rate
+from celery_redsem.core.validation import count_rule, seconds_rule
+from celery_redsem.integration.guards.base import guards_on
+from celery_redsem.integration.guards.contention import WorkerAsk
+from celery_redsem.integration.guards.naming import KeyFunction, KeyNaming, call_arguments
+from celery_redsem.integration.guards.semaphore_guard import guards_of
+from celery_redsem.integration.line import read_wait, release_quietly
+from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
+from celery_redsem.integration.wire import GRANT_FIELD, take_over
+
+__all__ = ["IN_SLOT", "LEAD", "RateGuard", "iter_rate_limited_tasks", "rate_guards_of"]
+
+#: Seconds a refused run waits for its slot in the worker slot rather than through the broker.
+IN_SLOT = 0.05
+#: Seconds before its reserved slot a run parked by admission goes to its child (at most half
+#: of :data:`IN_SLOT` and of ``redsem_head_wait``): time for the hand-over to the child, so the
+#: child is there to take the slot on time, sleeping the rest in its slot. A child later than
+#: this delays the key's later slots by its lateness (the rate is never exceeded to catch up).
+LEAD = 0.02
+_BURST = count_rule()
+_MAX_WAIT = seconds_rule(inf_ok=True)
+
+
+def iter_rate_limited_tasks(app: Celery) -> Iterator[Task[Any, Any]]:
+    """Every registered task of ``app`` that carries a ``@with_rate_limit`` guard."""
+    for task in list(app.tasks.values()):
+        if rate_guards_of(task):
+            yield task
+
+
+def rate_guards_of(task: object) -> list[RateGuard]:
+    """The rate guards on a task's ``run`` (outermost first), or an empty list."""
+    return guards_on(task, RateGuard)
+
+
+class RateGuard:
+    """The rate, burst and key of one ``@with_rate_limit`` task function."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        rate: str | float,
+        key: str | KeyFunction,
+        burst: int = 1,
+        max_wait: float | None = None,
+    ) -> None:
+        where = getattr(fn, "__qualname__", repr(fn))
+        self.fn = fn
+        try:
+            self.rate = parse_rate(rate)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"rate of {where}: {exc}") from None
+        self.rate_text = rate
+        self.burst: int = _BURST.check(burst, f"burst of {where}")
+        self.max_wait: float | None = (
+            None if max_wait is None else _MAX_WAIT.check(max_wait, f"max_wait of {where}")
+        )
+        self.naming = KeyNaming(fn, key, where)
+        self.key = key
+        self.signature = self.naming.signature
+
+    def __repr__(self) -> str:
+        return f"<RateGuard {self.fn.__qualname__} rate={self.rate_text!r} key={self.key!r}>"
+
+    def limiter(self, app: Celery, name: str, config: RedsemConfig | None = None) -> RateLimiter:
+        """The rate limiter ``name`` with this guard's rate and burst and the app's settings."""
+        config = config or get_config(app)
+        return RateLimiter(
+            get_client(app), name, self.rate, burst=self.burst, prefix=config.key_prefix
+        )
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call the function once the limiter admits this run (see the module docstring)."""
+        task = cast("Task[Any, Any] | None", get_current_task())
+        ours = task is not None and self in rate_guards_of(task)
+        app = task.app if task is not None else get_current_app()
+        task_name = task.name if task is not None and ours else self.fn.__qualname__
+        config = get_config(app)
+        limiter = self.limiter(app, self.naming.name_for(task_name, args, kwargs), config)
+        request = task.request if task is not None and ours else None
+        if request is None or request.called_directly or request.is_eager:
+            permit_id = permit_id_of(request) if request is not None and request.id else None
+            if not limiter.wait(config.eager_timeout, permit_id=permit_id):
+                raise AcquireTimeout(
+                    f"task {task_name} (eager or direct call) got no slot of rate limiter "
+                    f"{limiter.name!r} ({self.rate_text}) within "
+                    f"redsem_eager_timeout={config.eager_timeout}s",
+                    name=limiter.name,
+                    permit_id=permit_id,
+                )
+        else:
+            assert task is not None
+            self._admit_in_worker(task, request, limiter, config, (args, kwargs))
+        return self.fn(*args, **kwargs)
+
+    def wait_at_dispatch(
+        self, app: Celery, task: Task[Any, Any], request: Any, horizon: float
+    ) -> float | None:
+        """For admission in a worker's main process: reserve the run ``request``'s slot and
+        tell how long to park it: 0.0 to hand it to its child now (its slot is due within
+        :data:`LEAD`, or it was admitted before), the seconds until :data:`LEAD` before its slot,
+        or None if its child should decide (no slot within ``horizon`` or ``max_wait``). The
+        child then takes the slot under the same task id."""
+        config = get_config(app)
+        name = self.naming.name_for(
+            task.name, call_arguments(task, request.args), request.kwargs or {}
+        )
+        max_wait = self.max_wait_for(config)
+        ahead = horizon if max_wait is None else min(horizon, max_wait)
+        if ahead <= 0:
+            return None
+        result = self.limiter(app, name, config).attempt(
+            permit_id_of(request), reserve=True, max_wait=ahead
+        )
+        if result.admitted:
+            return 0.0
+        if not result.booked:
+            return None
+        lead = min(LEAD, IN_SLOT / 2, config.head_wait / 2)
+        return max(0.0, result.retry_after - lead)
+
+    def max_wait_for(self, config: RedsemConfig) -> float | None:
+        """This guard's wait budget in seconds under ``config`` (None: no cap)."""
+        max_wait = self.max_wait if self.max_wait is not None else config.max_wait
+        return None if max_wait is None or math.isinf(max_wait) else max_wait
+
+    def _admit_in_worker(
+        self,
+        task: Task[Any, Any],
+        request: Context,
+        limiter: RateLimiter,
+        config: RedsemConfig,
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+    ) -> None:
+        """Return once admitted; else re-publish the run for its slot (raises ``Retry``)."""
+        max_wait = self.max_wait_for(config)
+        ask = WorkerAsk(task, request, limiter.name, self.burst, max_wait, config)
+        permit_id = permit_id_of(request)
+        in_slot = min(IN_SLOT, config.head_wait)
+        started = time.monotonic()
+        try:
+            result = limiter.attempt(permit_id, book=True, max_wait=max_wait)
+            while not result.admitted and result.booked and result.retry_after <= in_slot:
+                time.sleep(result.retry_after)
+                result = limiter.attempt(permit_id, book=True, max_wait=max_wait)
+        except BackendError as exc:
+            ask.retry_after_error(exc, started=started)
+        if result.admitted:
+            return
+        if not result.booked:
+            raise AcquireTimeout(
+                f"task {task.name}[{request.id}] would wait {result.retry_after:.1f}s for a slot "
+                f"of rate limiter {limiter.name!r} ({self.rate_text}), more than "
+                f"max_wait={max_wait}s",
+                name=limiter.name,
+                permit_id=permit_id,
+            )
+        _give_back_grant(task, request, call, config)
+        # A contention retry like a semaphore's: counted in the header (not back from a line).
+        earlier = read_wait(request)
+        wait = earlier._replace(attempts=earlier.attempts + 1, due_ms=0, offline_ms=0)
+        raise ask.publish_retry(
+            result.retry_after, wait, release=None, reason=_booked(limiter, self, result)
+        )
+
+
+def _booked(limiter: RateLimiter, guard: RateGuard, result: RateResult) -> str:
+    return (
+        f"rate limiter {limiter.name!r} ({guard.rate_text}) booked a slot "
+        f"{result.retry_after:.3f}s ahead"
+    )
+
+
+def _give_back_grant(
+    task: Task[Any, Any],
+    request: Context,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    config: RedsemConfig,
+) -> None:
+    """Release a permit the worker's main process granted for a semaphore under this rate
+    guard (admission asks for the one semaphore of a task before its child runs): the run
+    leaves now, and the grant must not wait for its lease to end or travel in the retry."""
+    if getattr(request, GRANT_FIELD, None) is None:
+        return
+    for guard in guards_of(task):
+        try:
+            sem = guard.semaphore(task.app, guard.name_for(task.name, *call), config)
+        except (ConfigurationError, BackendError, TypeError):
+            continue
+        handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
+        if handed is not None:
+            release_quietly(sem, handed[0])
+            return
