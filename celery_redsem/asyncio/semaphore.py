@@ -20,15 +20,22 @@ from redis.asyncio.cluster import RedisCluster
 from celery_redsem.asyncio.client import AsyncRedisClient, WakeWaiter, run_script, validate_client
 from celery_redsem.asyncio.renewal import Renewal
 from celery_redsem.core.errors import BackendError
-from celery_redsem.core.permits import HolderInfo, Permit, SemaphoreState, WaiterInfo, Waiting
-from celery_redsem.core.scripts import ACQUIRE, REFRESH, RELEASE, STATE, declared_keys
+from celery_redsem.core.keys import declared_keys
+from celery_redsem.core.permits import (
+    HolderInfo,
+    Permit,
+    SemaphoreState,
+    WaiterInfo,
+    Waiting,
+    refresh_args,
+    renewed,
+)
+from celery_redsem.core.scripts import ACQUIRE, REFRESH, RELEASE, STATE
 from celery_redsem.core.semaphore_spec import (
     AttemptOptions,
     CommonOptions,
     SemaphoreSpec,
     naming,
-    refresh_args,
-    renewed,
 )
 from celery_redsem.core.state import state_from_reply
 

@@ -9,12 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, overload
 
+from redis.cluster import RedisCluster
+
 from celery_redsem.core.errors import ConfigurationError
 
 MAX_NAME_LENGTH = 512
 DEFAULT_PREFIX = "redsem"
 
-__all__ = ["DEFAULT_PREFIX", "MAX_NAME_LENGTH", "SemaphoreKeys", "validate_name", "validate_prefix"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "MAX_NAME_LENGTH",
+    "SemaphoreKeys",
+    "declared_keys",
+    "script_keys",
+    "validate_name",
+    "validate_prefix",
+]
 
 
 def validate_name(name: object) -> str:
@@ -130,3 +140,18 @@ class SemaphoreKeys:
         # list's key may hold "}:" itself).
         end = key.find("}:", len(head))
         return key[len(head) : end] if end > len(head) else None
+
+
+def script_keys(client: object, keys: SemaphoreKeys) -> list[str]:
+    """The keys a script call declares: on one server only the holders hash (the scripts
+    derive the others, which share its hash tag; fewer arguments, a shorter call on every task
+    start and end); on Redis Cluster all four, so that while their slot migrates Redis
+    redirects the call (``ASK``, ``TRYAGAIN``) instead of running it on half the keys."""
+    return declared_keys(keys, cluster=isinstance(client, RedisCluster))
+
+
+def declared_keys(keys: SemaphoreKeys, *, cluster: bool) -> list[str]:
+    """:func:`script_keys` for a client that is a cluster (sync or asyncio) or is not."""
+    if cluster:
+        return [keys.holders, keys.waiters, keys.waiter_expiry, keys.waiter_due]
+    return [keys.holders]

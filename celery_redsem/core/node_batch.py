@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import suppress
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import AskError, MovedError, NoScriptError
 
 from celery_redsem.core.errors import REDIS_ERRORS
-from celery_redsem.core.scripts import LuaScript
 
 __all__ = ["UNREACHED", "relearn_layout", "run_on_nodes"]
 
@@ -26,6 +25,15 @@ UNREACHED = (redis.ConnectionError, redis.TimeoutError)
 
 #: One script call: its keys (all in one slot) and its arguments.
 Call = tuple[Sequence[str], Sequence[Any]]
+
+
+class LuaScript(Protocol):
+    """What a batch needs of a script (:class:`~celery_redsem.core.scripts.LuaScript`)."""
+
+    source: str
+    sha: str
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any: ...
 
 
 def run_on_nodes(script: LuaScript, client: RedisCluster, calls: Sequence[Call]) -> list[Any]:

@@ -16,9 +16,8 @@ from redis.exceptions import NoScriptError
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient, to_ms
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 from celery_redsem.core.node_batch import Call, run_on_nodes
-from celery_redsem.core.permits import Permit, RefreshResult
+from celery_redsem.core.permits import Permit, RefreshResult, refresh_args, renewed
 from celery_redsem.core.scripts import REFRESH, run_script, script_failed
-from celery_redsem.core.semaphore_spec import refresh_args, renewed
 from celery_redsem.core.validation import SECONDS
 
 __all__ = ["REFRESH_CHUNK", "refresh_permits"]

@@ -18,12 +18,9 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from celery_redsem.core.client import RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError
-from celery_redsem.core.keys import SemaphoreKeys
 
 __all__ = [
     "ACQUIRE",
@@ -33,10 +30,8 @@ __all__ = [
     "STATE",
     "LuaScript",
     "as_text",
-    "declared_keys",
     "run_script",
     "script_failed",
-    "script_keys",
 ]
 
 
@@ -104,21 +99,6 @@ STATE = LuaScript("state.lua")
 GCRA = LuaScript("gcra.lua")
 RATE_STATE = LuaScript("rate_state.lua")
 DEDUPE = LuaScript("dedupe.lua")
-
-
-def script_keys(client: RedisClient, keys: SemaphoreKeys) -> list[str]:
-    """The keys a script call declares: on one server only the holders hash (the scripts
-    derive the others, which share its hash tag; fewer arguments, a shorter call on every task
-    start and end); on Redis Cluster all four, so that while their slot migrates Redis
-    redirects the call (``ASK``, ``TRYAGAIN``) instead of running it on half the keys."""
-    return declared_keys(keys, cluster=isinstance(client, RedisCluster))
-
-
-def declared_keys(keys: SemaphoreKeys, *, cluster: bool) -> list[str]:
-    """:func:`script_keys` for a client that is a cluster (sync or asyncio) or is not."""
-    if cluster:
-        return [keys.holders, keys.waiters, keys.waiter_expiry, keys.waiter_due]
-    return [keys.holders]
 
 
 def as_text(value: bytes | str) -> str:

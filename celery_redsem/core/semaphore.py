@@ -35,7 +35,7 @@ from celery_redsem.core.errors import (
     NotEnoughReplicas,
 )
 from celery_redsem.core.heartbeat import Heartbeat, HeldPermit, get_heartbeat
-from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, script_keys, validate_name
 from celery_redsem.core.lane import executor_for
 from celery_redsem.core.permits import HolderInfo, Permit, SemaphoreState, WaiterInfo, Waiting
 from celery_redsem.core.refresh import refresh_permits
@@ -46,7 +46,6 @@ from celery_redsem.core.scripts import (
     LuaScript,
     as_text,
     script_failed,
-    script_keys,
 )
 from celery_redsem.core.semaphore_spec import (
     AttemptOptions,

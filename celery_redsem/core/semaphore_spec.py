@@ -36,8 +36,6 @@ __all__ = [
     "SemaphoreSpec",
     "back_in_seconds",
     "naming",
-    "refresh_args",
-    "renewed",
     "validate_permit_id",
 ]
 
@@ -100,17 +98,6 @@ def naming(exc: BackendError, permit_id: str) -> None:
     granted with its reply lost: releasing that id frees the permit)."""
     if exc.permit_id is None:
         exc.permit_id = permit_id
-
-
-def refresh_args(permit: Permit) -> list[Any]:
-    """refresh.lua's three arguments for ``permit``: id, fencing token, lease ms."""
-    return [permit.id, str(permit.token), to_ms(permit.lease)]
-
-
-def renewed(permit: Permit, expires_at: Any) -> Permit | None:
-    """``permit`` with refresh.lua's answer for it as its new expiry; None if it was lost."""
-    expiry = int(expires_at)
-    return permit._replace(expires_at=expiry) if expiry > 0 else None
 
 
 class SemaphoreSpec:
