@@ -79,7 +79,7 @@ from celery.signals import task_postrun, task_prerun, task_received, worker_shut
 from benchmarks._brokers import AMQP_URL, Broker
 from benchmarks.cpu import CpuMeter, CpuReading, local_redis_pid, per_task
 from celery_redsem import FairSemaphore, Permit, get_client, with_semaphore
-from celery_redsem.integration.line import WAIT_HEADER
+from celery_redsem.integration.wire import WAIT_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_LIMIT, ENV_TAG = (

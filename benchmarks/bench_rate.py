@@ -38,7 +38,7 @@ from celery import Celery
 from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, drop_queue, host_line
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
 from celery_redsem import with_rate_limit
-from celery_redsem.integration.line import read_wait
+from celery_redsem.integration.wire import read_wait
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("ours", "celery")

@@ -37,6 +37,7 @@ from celery_redsem.core.semaphore import FairSemaphore, Lock
 from celery_redsem.core.state import read_state
 
 if _TYPE_CHECKING:
+    from celery_redsem.integration.dedupe.sender import install_dedupe
     from celery_redsem.integration.guards.decorators import (
         current_permit,
         with_lock,
@@ -44,6 +45,7 @@ if _TYPE_CHECKING:
         with_semaphore,
     )
     from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
+    from celery_redsem.integration.wire import contention_retries
 
 __version__ = "0.1.0"
 
@@ -53,7 +55,9 @@ _CELERY_NAMES = {
     "RedsemConfig": "celery_redsem.integration.settings",
     "get_client": "celery_redsem.integration.settings",
     "get_config": "celery_redsem.integration.settings",
+    "contention_retries": "celery_redsem.integration.wire",
     "current_permit": "celery_redsem.integration.guards.decorators",
+    "install_dedupe": "celery_redsem.integration.dedupe.sender",
     "with_lock": "celery_redsem.integration.guards.decorators",
     "with_rate_limit": "celery_redsem.integration.guards.decorators",
     "with_semaphore": "celery_redsem.integration.guards.decorators",
@@ -97,9 +101,11 @@ __all__ = [
     "WaiterInfo",
     "Waiting",
     "__version__",
+    "contention_retries",
     "current_permit",
     "get_client",
     "get_config",
+    "install_dedupe",
     "read_state",
     "refresh_permits",
     "with_lock",

@@ -25,12 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery import states
-from celery._state import get_current_task
-from celery.app.task import Context
 from celery.signals import task_postrun
 
 from celery_redsem.core.lease_events import (
@@ -38,9 +35,6 @@ from celery_redsem.core.lease_events import (
     add_loss_listener,
     remove_loss_listener,
 )
-from celery_redsem.core.permits import Permit
-from celery_redsem.integration.guards.base import guards_on
-from celery_redsem.integration.line import read_wait, read_wait_of, server_ms
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -50,10 +44,10 @@ __all__ = [
     "Metrics",
     "disable_metrics",
     "enable_metrics",
-    "record_admission_grant",
+    "metrics_on",
     "record_grant",
+    "record_grant_at_end",
     "record_park",
-    "record_run_grant",
     "record_skip",
     "record_timeout",
     "record_unpark",
@@ -80,7 +74,7 @@ class Metrics(NamedTuple):
     parked: Gauge
 
 
-#: Where a run keeps its grants until it ends (see record_run_grant), on its request.
+#: Where a run keeps its grants until it ends (see record_grant_at_end), on its request.
 _PENDING = "_redsem_pending_grants"
 _POSTRUN_UID = f"{__name__}.count_pending_grants"
 
@@ -201,6 +195,11 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:  # noqa: S104 (for 
 # -- the calls the rest of the package makes (each does nothing while metrics are off) -------
 
 
+def metrics_on() -> bool:
+    """Whether the metrics are on in this process (callers skip work that only feeds them)."""
+    return _metrics is not None
+
+
 def record_grant(task_name: str, waited: float) -> None:
     """A run of ``task_name`` got its permit after waiting ``waited`` seconds."""
     metrics = _metrics
@@ -209,38 +208,14 @@ def record_grant(task_name: str, waited: float) -> None:
         metrics.wait_seconds.labels(task_name).observe(max(0.0, waited))
 
 
-def record_run_grant(
-    task_name: str, permit: Permit, request: Context | None, started: float, *, handed: bool
-) -> None:
-    """The guard's run got ``permit`` (asked for at monotonic ``started``; ``handed``: by the
-    worker's main process, which counted it at admission)."""
-    if _metrics is None or handed:
-        return
-    in_worker = request is not None and not request.is_eager and not request.called_directly
-    # Since the first ask of earlier retries or parking, if any (set in the message header).
-    since_ms = read_wait(request).first_ms if in_worker and request is not None else 0
-    if since_ms > 0:
-        waited = (server_ms(permit, 0) - since_ms) / 1000
-    else:
-        waited = time.monotonic() - started
-    if in_worker and _has_other_guards():
-        # Another guard may still send the run back (a retry) before its body starts: count
-        # this grant once the run ends, unless it ends so (see _on_postrun).
-        pending = getattr(request, _PENDING, None) or ()
-        setattr(request, _PENDING, (*pending, (task_name, waited)))
-        return
-    record_grant(task_name, waited)
-
-
-def record_admission_grant(req: Any, permit: Permit, first_ms: int) -> None:
-    """Admission got ``permit`` for the worker request ``req`` whose wait began at server ms
-    ``first_ms`` (``<= 0``: not parked before; the message header tells of earlier retries)."""
+def record_grant_at_end(request: Any, task_name: str, waited: float) -> None:
+    """A run of ``task_name`` with more than one guard got a permit after ``waited`` seconds:
+    another guard may still send it back (a retry) before its body starts, so the grant counts
+    once the run ends, unless it ends so. (Each run counts once.)"""
     if _metrics is None:
         return
-    if first_ms <= 0:
-        first_ms = read_wait_of(req.request_dict).first_ms
-    waited = (server_ms(permit, 0) - first_ms) / 1000 if first_ms > 0 else 0.0
-    record_grant(_task_name(req), waited)
+    pending = getattr(request, _PENDING, None) or ()
+    setattr(request, _PENDING, (*pending, (task_name, waited)))
 
 
 def record_wait(task_name: str, how: str) -> None:
@@ -250,11 +225,11 @@ def record_wait(task_name: str, how: str) -> None:
         metrics.waits.labels(task_name, how).inc()
 
 
-def record_park(req: Any) -> None:
-    """Admission parked the worker request ``req`` (a wait, and one more parked task)."""
+def record_park(task_name: str | None) -> None:
+    """Admission parked a request of ``task_name`` (a wait, and one more parked task)."""
     metrics = _metrics
     if metrics is not None:
-        metrics.waits.labels(_task_name(req), "park").inc()
+        metrics.waits.labels(task_name or "?", "park").inc()
         metrics.parked.inc()
 
 
@@ -279,12 +254,6 @@ def record_timeout(task_name: str) -> None:
         metrics.timeouts.labels(task_name).inc()
 
 
-def _has_other_guards() -> bool:
-    """Whether the running task has more than one guard (semaphore or rate limit)."""
-    task = get_current_task()
-    return task is not None and len(guards_on(task, object)) > 1
-
-
 def _on_postrun(task: Any = None, state: str | None = None, **_: Any) -> None:
     """A run ended: count the grants it kept pending, unless it was sent back (a retry)."""
     request = getattr(task, "request", None)
@@ -301,8 +270,3 @@ def _on_loss(held: LostPermit) -> None:
     metrics = _metrics
     if metrics is not None:
         metrics.lost_leases.labels(held.task_name or "?").inc()
-
-
-def _task_name(req: Any) -> str:
-    """The task name of a worker request."""
-    return str(getattr(req, "name", None) or "?")

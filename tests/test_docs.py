@@ -17,16 +17,9 @@ CONFVAL = re.compile(r"^\.\. confval:: (\S+)\s*$", re.MULTILINE)
 
 def not_settings() -> set[str]:
     """``redsem_*`` strings of the package that are not settings (a message header, ...)."""
-    from celery_redsem.integration import line, wire
-    from celery_redsem.integration.admission import standby
-    from celery_redsem.integration.dedupe import run_mark
+    from celery_redsem.integration import wire
 
-    return {
-        line.WAIT_HEADER,
-        wire.GRANT_FIELD,
-        run_mark.DUPLICATE_FIELD,
-        standby.STANDBY_FIELD,
-    }
+    return {wire.WAIT_HEADER, wire.GRANT_FIELD, wire.DUPLICATE_FIELD, wire.STANDBY_FIELD}
 
 
 def _owner_name(node: ast.expr) -> str:

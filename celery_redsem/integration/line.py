@@ -1,12 +1,8 @@
-"""A task run's wait for its permit: where it stands (:class:`WaitState`), the message header
-that carries it across retries, one try that keeps its place in line, and the wait in its slot.
+"""A task run's place in its semaphore's line: one try that keeps it, the wait in a worker slot
+for the wake-up a release pushes, and the release that never raises.
 
-The ``redsem_wait`` header is read (:func:`read_wait`) and written (:func:`stamp_wait`,
-:func:`headers_with_wait`) here only; the pool child
-(:mod:`~celery_redsem.integration.guards.contention`)
-and admission in the main process (:mod:`~celery_redsem.integration.admission.dispatcher`) both go
-through
-these functions.
+Both sides use these: the pool child (:mod:`.guards.contention`) and admission in the worker's
+main process (:mod:`.admission`).
 """
 
 from __future__ import annotations
@@ -14,114 +10,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
-from typing import Any, NamedTuple
-
-from celery.app.task import Context
 
 from celery_redsem.core.client import pop_within
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 from celery_redsem.core.permits import Permit, Waiting
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.integration.settings import RedsemConfig
 
-__all__ = [
-    "WAIT_HEADER",
-    "WaitState",
-    "attempt",
-    "headers_with_wait",
-    "present_waiter_lease",
-    "read_wait",
-    "read_wait_of",
-    "release_quietly",
-    "server_ms",
-    "stamp_wait",
-    "stamp_wait_began",
-    "wait_in_slot",
-]
+__all__ = ["Answer", "attempt", "release_quietly", "server_ms", "wait_in_slot"]
 
 logger = logging.getLogger(__name__)
 
-#: Message header carrying a :class:`WaitState` (and the task's own retry count).
-WAIT_HEADER = "redsem_wait"
-#: Highest retry count read from a ``redsem_wait`` header.
-_MAX_COUNT = 64
+#: What an ask made for a run gets: the permit, the place in line, or why there is neither.
+Answer = Permit | Waiting | BackendError
+
 _MIN_POLL = 0.005
 #: A task waiting in its slot asks again at least this often (seconds), woken or not.
 _ASK_AGAIN = 1.0
-
-
-class WaitState(NamedTuple):
-    """Where a task stands in its wait for a permit; travels in the ``redsem_wait`` header."""
-
-    #: Contention retries so far.
-    attempts: int = 0
-    #: Server ms when the wait began (0: Redis has not answered yet).
-    first_ms: int = 0
-    #: Retries because Redis failed (unreachable, restarting, too few replicas).
-    errors: int = 0
-    #: Server ms when the task was due back after its last contention retry (0: none yet).
-    due_ms: int = 0
-    #: Milliseconds spent on retries after Redis errors since then (countdowns and tries).
-    offline_ms: int = 0
-
-    def _header(self, retries: int) -> list[int]:
-        """The header value; ``retries`` (the task's own) tells a later own retry apart."""
-        return [self.attempts, self.first_ms, retries, self.errors, self.due_ms, self.offline_ms]
-
-
-def read_wait(request: Context) -> WaitState:
-    """The :class:`WaitState` this run of the task starts from (fresh if none or stale).
-
-    Reads ``[attempts, first ms, retries, errors, due ms, offline ms]`` and the older
-    ``[attempts, first ms, retries]``.
-    """
-    headers = request.headers or {}
-    value = headers.get(WAIT_HEADER, getattr(request, WAIT_HEADER, None))
-    if not isinstance(value, list | tuple) or len(value) not in (3, 6):
-        return WaitState()
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        return WaitState()
-    attempts, first_ms, retries, *rest = value
-    if retries != request.retries:  # the task's own retry since: a fresh wait
-        return WaitState()
-    errors, due_ms, offline_ms = rest or (0, 0, 0)
-    # Counts feed an exponential backoff (2 ** n): bounded, whatever a message says.
-    return WaitState(
-        min(attempts, _MAX_COUNT), first_ms, min(errors, _MAX_COUNT), due_ms, offline_ms
-    )
-
-
-def headers_with_wait(request: Context, wait: WaitState) -> dict[str, Any]:
-    """``request``'s headers with ``wait`` in them, for the message of its retry."""
-    return {**(request.headers or {}), WAIT_HEADER: wait._header(request.retries)}
-
-
-def stamp_wait(request_dict: dict[str, Any], wait: WaitState) -> None:
-    """Put ``wait`` in a worker request's dict (and its headers), for the pool child."""
-    value = wait._header(int(request_dict.get("retries") or 0))
-    request_dict[WAIT_HEADER] = value
-    headers = request_dict.get("headers")
-    if isinstance(headers, Mapping):
-        request_dict["headers"] = {**headers, WAIT_HEADER: value}
-
-
-def read_wait_of(request_dict: dict[str, Any]) -> WaitState:
-    """:func:`read_wait` for a worker request's dict (in the worker's main process)."""
-    return read_wait(Context(request_dict))
-
-
-def stamp_wait_began(request_dict: dict[str, Any], first_ms: int) -> None:
-    """Tell the child when the wait of a worker request began (server ms); it fails the task
-    once ``max_wait`` is spent."""
-    wait = read_wait_of(request_dict)
-    stamp_wait(request_dict, WaitState(wait.attempts, first_ms, wait.errors, 0, 0))
-
-
-def present_waiter_lease(config: RedsemConfig) -> float:
-    """The waiter lease of a task asking now: it keeps its place for the shortest countdown
-    plus the margin, enough to be re-published or parked before asking again with its own."""
-    return config.waiter_margin + config.retry_min_countdown
 
 
 def attempt(

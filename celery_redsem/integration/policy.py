@@ -20,6 +20,12 @@ a permit after about ``position * hold / limit`` seconds (each release moves the
   line holds a free permit for its task only from about when the task is really back, so a
   permit is not kept idle for a task still queued in the broker.
 
+* **Parking** (:func:`park_time`, :func:`first_ask`, :func:`longest_park`). A task that
+  admission parks in the worker's main process asks again about when the holders ahead of it
+  have left, a little early, so a deep line costs it O(1) round trips (a release in the worker
+  wakes the first parked task sooner); it stays parked at most :data:`MAX_PARKED` seconds from
+  its delivery, and half the broker's ``visibility_timeout``.
+
 Hold times and return delays are moving averages kept per process (bounded in size).
 """
 
@@ -30,18 +36,28 @@ import os
 import random
 import threading
 from collections import OrderedDict
+from typing import Any
 
 from celery.utils.time import get_exponential_backoff_interval
 
 __all__ = [
     "DEFAULT_RETURN_DELAY",
+    "EARLY",
+    "FIRST_PARK",
     "HEAD_WAIT_ROUNDS",
+    "MAX_PARK",
+    "MAX_PARKED",
+    "MAX_PARKED_TASKS",
+    "MIN_PARK",
     "HoldTimes",
     "ReturnDelays",
     "contention_countdown",
     "error_countdown",
+    "first_ask",
     "head_wait_budget",
     "hold_times",
+    "longest_park",
+    "park_time",
     "return_delays",
 ]
 
@@ -127,6 +143,72 @@ def head_wait_budget(
     if expected > head_wait:
         return 0.0
     return min(head_wait, max(2 * expected, MIN_HEAD_WAIT))
+
+
+#: Bounds on how long a parked task waits before it asks again (the upper one while no hold
+#: time of its task is known; after that, its turn as the line moves, up to its longest park).
+MIN_PARK = 0.002
+MAX_PARK = 1.0
+#: Until a hold time of its task is known, a parked task asks again after this, doubling.
+FIRST_PARK = 0.01
+#: A parked task asks again a little before its turn is expected.
+EARLY = 0.8
+#: Seconds after its delivery a task may still be parked; then its child retries it through
+#: the broker. (Well inside the brokers' own limits: Redis' default visibility timeout is an
+#: hour, RabbitMQ's consumer timeout 30 minutes.)
+MAX_PARKED = 300.0
+#: At most this many tasks are parked per worker; more go to their pool child.
+MAX_PARKED_TASKS = 10_000
+
+
+def park_time(
+    *, position: int, limit: int, hold: float | None, tries: int, longest: float = MAX_PARKED
+) -> float:
+    """Seconds a parked task at ``position`` waits before asking again (at most ``longest``).
+
+    About when ``position`` holders of ``hold`` seconds have left a ``limit`` semaphore: a
+    little early near the head of the line, a round of holders early further back; until a
+    hold time is known, :data:`FIRST_PARK` doubling with each try, up to
+    :data:`MAX_PARK`. A task woken by a release here asks sooner.
+    """
+    if hold is None:  # a round of holders at a time, doubling
+        rounds = max(1, position // limit)
+        return min(MAX_PARK, longest, rounds * FIRST_PARK * 2.0 ** min(tries, 32))
+    # Near the head, a little before its turn; deeper, when about a round of holders is left
+    # ahead of it (asking earlier only costs a round trip: releases here wake the first anyway).
+    rounds_ahead = max(EARLY * position, position - limit)
+    return min(longest, max(MIN_PARK, rounds_ahead * hold / limit))
+
+
+def first_ask(
+    present_lease: float,
+    margin: float,
+    *,
+    limit: int,
+    behind: int | None,
+    hold: float | None,
+    longest: float,
+) -> tuple[float, float]:
+    """The waiter lease and ``back_in`` of a task's first ask: present (``present_lease``,
+    no ``back_in``), or, arriving behind tasks parked here on its semaphore (the last at place
+    ``behind``), away for about as long as the one place after theirs waits, its place kept
+    ``margin`` beyond: one call both asks and tells Redis when it will be back (until then its
+    place holds no free permit for it)."""
+    if behind is None:
+        return present_lease, 0.0
+    back_in = park_time(position=behind + 1, limit=limit, hold=hold, tries=0, longest=longest)
+    return back_in + margin, back_in
+
+
+def longest_park(conf: Any) -> float:
+    """How long one delivery may stay parked (unacknowledged): :data:`MAX_PARKED`, and at most
+    half the broker's ``visibility_timeout`` (Redis, SQS) in the app's ``conf``, after which
+    the broker would deliver the message again and a second copy of the task would run."""
+    options = conf.broker_transport_options or {}
+    visibility = options.get("visibility_timeout")
+    if isinstance(visibility, bool) or not isinstance(visibility, int | float):
+        return MAX_PARKED
+    return min(MAX_PARKED, visibility / 2) if visibility > 0 else MAX_PARKED
 
 
 class _Averages:

@@ -193,6 +193,13 @@ class RedsemConfig:
     replica_timeout: float
     check_eviction_policy: bool
 
+    @property
+    def present_waiter_lease(self) -> float:
+        """The waiter lease of a task asking now: it keeps its place for the shortest
+        countdown plus the margin, enough to be re-published or parked before it asks again
+        with its own."""
+        return self.waiter_margin + self.retry_min_countdown
+
     def require_redis_url(self) -> str:
         """The Redis URL, or a :class:`ConfigurationError` saying how to set one."""
         if self.redis_url is None:

@@ -20,13 +20,13 @@ from celery.utils.log import get_task_logger
 
 from celery_redsem import (
     HeldPermit,
+    contention_retries,
     current_permit,
     read_state,
     with_lock,
     with_rate_limit,
     with_semaphore,
 )
-from celery_redsem.integration.line import WAIT_HEADER
 
 from . import market_api
 
@@ -115,17 +115,6 @@ def build_daily_report(self: Any, day: str, seconds: float = 2.0) -> int:
     market_api.record_build(day, permit.token, started, time.time())
     logger.info("report %s stored with fencing token %s", day, permit.token)
     return permit.token
-
-
-def contention_retries(request: Any) -> int:
-    """How many times this task was retried for want of a permit before it got one.
-
-    celery_redsem counts them in the ``redsem_wait`` message header (they do not touch
-    ``request.retries``).
-    """
-    headers = request.headers or {}
-    value = headers.get(WAIT_HEADER, getattr(request, WAIT_HEADER, None))
-    return int(value[0]) if isinstance(value, list | tuple) and value else 0
 
 
 def _permit() -> HeldPermit:

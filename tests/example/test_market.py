@@ -15,8 +15,9 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_redsem import FairSemaphore, Permit, get_client, get_config
 from celery_redsem.core.keys import SemaphoreKeys
-from celery_redsem.integration.guards.rate_guard import rate_guards_of
-from celery_redsem.integration.guards.semaphore_guard import guards_of
+from celery_redsem.integration.guards.base import guards_of
+from celery_redsem.integration.guards.rate_guard import RateGuard
+from celery_redsem.integration.guards.semaphore_guard import SemaphoreGuard
 from celery_redsem.integration.settings import SETTINGS
 from tests.example.conftest import EXAMPLE_DIR
 from tests.servers import wait_until
@@ -38,13 +39,13 @@ def test_tasks_are_autodiscovered_and_guarded(example_app):
     from market import tasks
 
     assert "market.tasks.buy_item" in example_app.tasks
-    (buy,) = guards_of(tasks.buy_item)
-    (sell,) = guards_of(tasks.sell_item)
+    (buy,) = guards_of(tasks.buy_item, SemaphoreGuard)
+    (sell,) = guards_of(tasks.sell_item, SemaphoreGuard)
     assert (buy.limit, sell.limit) == (5, 5)
     # Buying and selling for one account share one semaphore.
     args = (None, "alice", "sword")
     assert buy.name_for("buy", args, {}) == sell.name_for("sell", args, {}) == "market:alice"
-    (report,) = guards_of(tasks.build_daily_report)
+    (report,) = guards_of(tasks.build_daily_report, SemaphoreGuard)
     assert report.limit == 1
     assert report.name_for("r", (None, "2026-01-01"), {}) == "report:2026-01-01"
 
@@ -79,7 +80,7 @@ def test_purchases_keep_the_accounts_published_rate(example, account, monkeypatc
     (``ACCOUNT_RATE``, 20/s, under its semaphore) spaces them, across the worker's threads."""
     from market import market_api, tasks
 
-    (rate,) = rate_guards_of(tasks.buy_item)
+    (rate,) = guards_of(tasks.buy_item, RateGuard)
     assert rate.rate == 20.0
     # Refused purchases come back through the in-memory broker: poll it often.
     monkeypatch.setitem(example.conf, "broker_transport_options", {"polling_interval": 0.01})

@@ -13,7 +13,7 @@ import redis
 from celery import Celery
 
 from celery_redsem import AcquireTimeout
-from celery_redsem.integration.admission.parking import (
+from celery_redsem.integration.policy import (
     FIRST_PARK,
     MAX_PARK,
     MAX_PARKED,

@@ -21,20 +21,14 @@ from kombu.asynchronous import Hub
 from kombu.asynchronous.semaphore import LaxBoundedSemaphore
 from kombu.common import QoS
 
-from celery_redsem.integration.admission.ask_ahead import (
-    ASK_AHEAD,
-    HELD_FOR_AT_MOST,
-    AskAhead,
-    unwritten_tasks,
-)
-from celery_redsem.integration.admission.parking import (
+from celery_redsem.integration.admission.ask_ahead import ASK_AHEAD, HELD_FOR_AT_MOST, AskAhead
+from celery_redsem.integration.admission.parking import Parked, ParkedTasks, ParkingLot
+from celery_redsem.integration.admission.prefetch import (
     WINDOW_STEP,
-    Parked,
-    ParkedTasks,
-    ParkingLot,
     widen_for_parked,
     window_step,
 )
+from celery_redsem.integration.seam import SlotQueue, unwritten_tasks
 from tests.integration.conftest import WorkerProcess, holder
 from tests.integration.test_asking import run_until
 from tests.servers import wait_until
@@ -149,7 +143,7 @@ def _installed(hub: Hub, slots: int = 1) -> tuple[LaxBoundedSemaphore, _Recorder
     semaphore = LaxBoundedSemaphore(slots)
     recorder = _Recorder()
     ahead = recorder.make()
-    ahead.install(hub, semaphore, recorder.process_task)
+    ahead.install(hub, SlotQueue(semaphore, recorder.process_task))
     return semaphore, recorder, ahead
 
 
@@ -180,8 +174,8 @@ def test_the_first_tasks_queued_for_a_slot_are_asked_for_once_and_taken_with_it(
     ahead = recorder.make()
     reqs = _queued(slots, recorder.process_task, 5)
     slots.acquire(lambda req: None, object())  # not a task admission hands out: never asked
-    ahead.install(hub, slots, recorder.process_task)
-    ahead.install(hub, slots, recorder.process_task)  # once per event loop
+    ahead.install(hub, SlotQueue(slots, recorder.process_task))
+    ahead.install(hub, SlotQueue(slots, recorder.process_task))  # once per event loop
     run_until(hub, lambda: len(recorder.asked) >= ASK_AHEAD, 5)
     turn(hub, 5)  # more turns of the loop ask nothing more
     assert recorder.asked == reqs[:ASK_AHEAD]
@@ -206,7 +200,7 @@ def test_a_task_that_takes_its_slot_while_it_is_being_asked_for_takes_the_ask(hu
         slots.release()
 
     recorder.then = free_the_slot_once  # the first ask frees the slot as it is sent
-    ahead.install(hub, slots, recorder.process_task)
+    ahead.install(hub, SlotQueue(slots, recorder.process_task))
     run_until(hub, lambda: len(recorder.asked) >= 1, 5)
     assert recorder.taken == [f"ask-for-{id(reqs[0])}"]  # taken with its slot, not asked again
     run_until(hub, lambda: len(recorder.asked) == 1 + ASK_AHEAD, 5)  # the queue as it is now
@@ -220,7 +214,7 @@ def test_asks_for_tasks_gone_from_the_slot_queue_are_given_up(hub: Hub) -> None:
     recorder = _Recorder()
     ahead = recorder.make()
     reqs = _queued(slots, recorder.process_task, 3)
-    ahead.install(hub, slots, recorder.process_task)
+    ahead.install(hub, SlotQueue(slots, recorder.process_task))
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
     ahead.sweep()
     assert recorder.dropped == []  # still queued: kept
@@ -234,7 +228,7 @@ def test_every_ask_is_given_up_when_the_event_loop_resets(hub: Hub) -> None:
     recorder = _Recorder()
     ahead = recorder.make()
     _queued(slots, _ignore, 3)
-    ahead.install(hub, slots, _ignore)
+    ahead.install(hub, SlotQueue(slots, _ignore))
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
     hub.reset()  # what a broker reconnection does to the worker's loop
     assert len(recorder.dropped) == ASK_AHEAD
@@ -246,7 +240,7 @@ def test_asks_wait_a_turn_while_the_pool_has_tasks_to_write_to_its_children(hub:
     ahead = recorder.make()
     reqs = _queued(slots, _ignore, 3)
     unwritten = ["a task handed to the pool"]
-    ahead.install(hub, slots, _ignore, writes_pending=lambda: bool(unwritten))
+    ahead.install(hub, SlotQueue(slots, _ignore), writes_pending=lambda: bool(unwritten))
     turn(hub, 1)  # this turn's poll writes the task to its child: nothing is asked before it
     assert recorder.asked == []
     unwritten.clear()
@@ -259,7 +253,7 @@ def test_asks_put_off_for_the_pools_writes_are_not_sent_once_the_loop_closes(hub
     recorder = _Recorder()
     ahead = recorder.make()
     _queued(slots, _ignore, 3)
-    ahead.install(hub, slots, _ignore, writes_pending=lambda: True)
+    ahead.install(hub, SlotQueue(slots, _ignore), writes_pending=lambda: True)
     turn(hub, 1)
     hub.reset()  # (runs the callbacks it had queued, after telling AskAhead it closed)
     assert recorder.asked == []
@@ -288,7 +282,7 @@ def test_nothing_is_asked_ahead_while_slots_free_slowly(hub: Hub) -> None:
     ahead: AskAhead[str] = AskAhead(recorder.ask, recorder.drop)  # no slot handed out lately
     recorder.ahead = ahead
     _queued(slots, _ignore, 3)
-    ahead.install(hub, slots, _ignore)
+    ahead.install(hub, SlotQueue(slots, _ignore))
     turn(hub, 5)
     assert recorder.asked == []  # a grant would sit idle while long runs hold every slot
 
@@ -298,7 +292,7 @@ def test_a_grant_kept_too_long_for_its_slot_is_given_back(hub: Hub) -> None:
     recorder = _Recorder()
     ahead = recorder.make(HELD_FOR_AT_MOST)
     reqs = _queued(slots, _ignore, 2)
-    ahead.install(hub, slots, _ignore)
+    ahead.install(hub, SlotQueue(slots, _ignore))
     run_until(hub, lambda: len(recorder.asked) == ASK_AHEAD, 5)
     ahead.sweep()
     assert recorder.dropped == []
@@ -312,7 +306,7 @@ def test_a_task_not_asked_for_ahead_is_not_asked_again_on_every_turn(hub: Hub) -
     recorder = _Recorder(asks=False)  # e.g. not guarded, or its key function failed
     ahead = recorder.make()
     _queued(slots, _ignore, 1)
-    ahead.install(hub, slots, _ignore)
+    ahead.install(hub, SlotQueue(slots, _ignore))
     run_until(hub, lambda: len(recorder.asked) == 1, 5)
     turn(hub, 5)
     assert len(recorder.asked) == 1
@@ -390,7 +384,7 @@ def test_nothing_is_asked_for_now_where_no_ask_goes_out(hub: Hub) -> None:
     recorder = _Recorder(asks=False)  # e.g. not guarded: the task is asked for at its slot
     ahead = recorder.make()
     assert not ahead.ask_now(object())  # not installed yet: no slot queue to wait in
-    ahead.install(hub, slots, recorder.process_task)
+    ahead.install(hub, SlotQueue(slots, recorder.process_task))
     req = object()
     assert not ahead.ask_now(req)
     ahead.sweep()
@@ -419,7 +413,7 @@ def test_a_queued_task_whose_ask_was_given_up_gets_a_free_slot(hub: Hub) -> None
     slots = LaxBoundedSemaphore(1)
     recorder = _Recorder()
     ahead = recorder.make(held_for_at_most=0.0)
-    ahead.install(hub, slots, recorder.process_task)
+    ahead.install(hub, SlotQueue(slots, recorder.process_task))
     req = object()
     slots._waiting.appendleft((recorder.process_task, (req,), {}))
     assert ahead.ask_now(req)
@@ -432,15 +426,18 @@ def test_a_queued_task_whose_ask_was_given_up_gets_a_free_slot(hub: Hub) -> None
 def test_a_task_answered_while_it_is_asked_for_now_takes_one_slot_once(hub: Hub) -> None:
     # The answer is called back before the ask returns (a client that waits for its reply,
     # or a failed connection) and hands the task its slot there and then.
-    slots, recorder, ahead = _installed(hub, 2)
+    slots = LaxBoundedSemaphore(2)
+    recorder = _Recorder()
+    ahead = recorder.make()
     took_slot: list[object] = []
 
     def process_task(req: object) -> None:
         took_slot.append(req)
         recorder.process_task(req)
 
-    lot = ParkingLot(_Controller(hub, slots), process_task, ahead.ask_now)
-    ahead._process_task = process_task  # (the queue entries the lot makes)
+    queue = SlotQueue(slots, process_task)  # (the lot and AskAhead share the worker's slots)
+    ahead.install(hub, queue)
+    lot = ParkingLot(_Controller(hub, slots), queue, ahead.ask_now)
     req = _Req("t-2")
     recorder.then = lambda: ahead.claim_slot(req)  # granted at once
     parked = Parked(req, "a", 1, 1, 0, None, time.monotonic())
@@ -457,7 +454,8 @@ def test_a_parked_task_resuming_while_a_slot_is_free_is_asked_for_before_taking_
 ) -> None:
     slots = LaxBoundedSemaphore(1)
     took_slot: list[object] = []
-    lot = ParkingLot(_Controller(hub, slots), took_slot.append, lambda req: asked_first)
+    queue = SlotQueue(slots, took_slot.append)
+    lot = ParkingLot(_Controller(hub, slots), queue, lambda req: asked_first)
     req = _Req("t-1")
     parked = Parked(req, "a", 3, 1, 0, None, time.monotonic())
     lot.park(parked, 60.0, slot_taken=False)  # parked again without a slot: none given back

@@ -9,9 +9,9 @@ from celery import Celery, _state, current_app
 from celery.local import Proxy
 
 from celery_redsem import ConfigurationError, RedsemConfig, get_client, get_config, with_lock
-from celery_redsem.integration.guards.semaphore_guard import iter_guarded_tasks
+from celery_redsem.integration.guards.base import iter_guarded_tasks
 from celery_redsem.integration.settings import SETTINGS, reset
-from celery_redsem.integration.worker.hooks import check_task_leases, start_warnings
+from celery_redsem.integration.worker.start_checks import check_task_leases, start_warnings
 from tests.integration.conftest import true_in_forked_child
 
 

@@ -6,7 +6,7 @@ import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
 
-from celery_redsem.integration.worker.hooks import check_eviction_policy
+from celery_redsem.integration.worker.start_checks import check_eviction_policy
 from tests.integration.apps.tasks import make_app
 from tests.integration.conftest import close_app
 from tests.servers import embedded_valkey
@@ -49,7 +49,7 @@ def test_a_worker_warns_at_start_unless_told_not_to(
 ) -> None:
     with embedded_valkey(**{"maxmemory-policy": "allkeys-lru"}) as url:
         app = make_app(url, "evict", redsem_check_eviction_policy=check)
-        caplog.set_level("WARNING", logger="celery_redsem.integration.worker.hooks")
+        caplog.set_level("WARNING", logger="celery_redsem.integration.worker.start_checks")
         try:
             with start_worker(app, pool="solo", perform_ping_check=False):
                 pass

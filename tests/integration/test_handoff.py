@@ -9,7 +9,7 @@ from celery.worker.request import Request
 
 from celery_redsem import Permit
 from celery_redsem.core.permit_ids import permit_id_of, run_permit_id
-from celery_redsem.integration.wire import GRANT_FIELD, clear_grant, hand_over, take_over
+from celery_redsem.integration.wire import GRANT_FIELD, clear_dispatch_fields, hand_over, take_grant
 from tests.integration.conftest import close_app
 
 PERMIT = Permit("task-1", "report:7", 42, 1_800_000_000_000, 5.0, "redsem")
@@ -24,8 +24,8 @@ def test_a_handed_grant_is_taken_over_once() -> None:
     hand_over(request_dict, PERMIT, 123.5)
     request = _request(request_dict)
     assert GRANT_FIELD in request.headers  # Celery's Context copies unknown fields there
-    assert take_over(request, "report:7", "redsem", 5.0) == (PERMIT, 123.5)
-    assert take_over(request, "report:7", "redsem", 5.0) is None  # removed when taken
+    assert take_grant(request, "report:7", "redsem", 5.0) == (PERMIT, 123.5)
+    assert take_grant(request, "report:7", "redsem", 5.0) is None  # removed when taken
     assert not hasattr(request, GRANT_FIELD)
     assert GRANT_FIELD not in request.headers  # so self.retry() cannot publish the secret
 
@@ -33,9 +33,9 @@ def test_a_handed_grant_is_taken_over_once() -> None:
 def test_a_grant_for_another_task_semaphore_or_prefix_is_refused() -> None:
     request_dict: dict[str, object] = {}
     hand_over(request_dict, PERMIT, 1.0)
-    assert take_over(_request(request_dict), "report:8", "redsem", 5.0) is None
-    assert take_over(_request(request_dict), "report:7", "other", 5.0) is None
-    assert take_over(Context({**request_dict, "id": "task-2"}), "report:7", "redsem", 5.0) is None
+    assert take_grant(_request(request_dict), "report:8", "redsem", 5.0) is None
+    assert take_grant(_request(request_dict), "report:7", "other", 5.0) is None
+    assert take_grant(Context({**request_dict, "id": "task-2"}), "report:7", "redsem", 5.0) is None
 
 
 def test_a_forged_or_malformed_grant_is_refused() -> None:
@@ -43,17 +43,17 @@ def test_a_forged_or_malformed_grant_is_refused() -> None:
     hand_over(request_dict, PERMIT, 1.0)
     genuine = list(request_dict[GRANT_FIELD])  # type: ignore[call-overload]
     forged = ["0" * 32, *genuine[1:]]  # a header from outside cannot know the secret
-    assert take_over(_request({GRANT_FIELD: forged}), "report:7", "redsem", 5.0) is None
+    assert take_grant(_request({GRANT_FIELD: forged}), "report:7", "redsem", 5.0) is None
     for bad in (None, "x", genuine[:-1], [*genuine[:4], "42", *genuine[5:]], [*genuine[:6], 1]):
-        assert take_over(_request({GRANT_FIELD: bad}), "report:7", "redsem", 5.0) is None
+        assert take_grant(_request({GRANT_FIELD: bad}), "report:7", "redsem", 5.0) is None
 
 
-def test_clear_grant_removes_a_stale_one() -> None:
+def test_clear_dispatch_fields_removes_a_stale_one() -> None:
     request_dict: dict[str, object] = {}
     hand_over(request_dict, PERMIT, 1.0)
-    clear_grant(request_dict)
+    clear_dispatch_fields(request_dict)
     assert GRANT_FIELD not in request_dict
-    clear_grant(request_dict)  # nothing there: fine
+    clear_dispatch_fields(request_dict)  # nothing there: fine
 
 
 def test_a_run_queued_by_the_task_itself_has_a_permit_id_of_its_own() -> None:
@@ -94,6 +94,6 @@ def test_a_grant_is_taken_over_only_by_the_run_it_was_made_for() -> None:
     retried = Permit("task-1~1", "report:7", 42, 1_800_000_000_000, 5.0, "redsem")
     request_dict: dict[str, object] = {"retries": 1}
     hand_over(request_dict, retried, 1.0)
-    assert take_over(_request(request_dict), "report:7", "redsem", 5.0) == (retried, 1.0)
+    assert take_grant(_request(request_dict), "report:7", "redsem", 5.0) == (retried, 1.0)
     hand_over(request_dict, PERMIT, 1.0)  # the first run's grant, on the retried run
-    assert take_over(_request(request_dict), "report:7", "redsem", 5.0) is None
+    assert take_grant(_request(request_dict), "report:7", "redsem", 5.0) is None

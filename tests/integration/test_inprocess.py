@@ -14,8 +14,8 @@ from celery import Celery
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError, read_state
-from celery_redsem.integration.guards.semaphore_guard import guards_of
-from celery_redsem.integration.line import WAIT_HEADER
+from celery_redsem.integration.guards.base import guards_of
+from celery_redsem.integration.wire import WAIT_HEADER
 from tests.integration.conftest import blocked, close_app, forged_grant_runs_nothing, holder
 from tests.servers import wait_until
 
@@ -311,7 +311,7 @@ def test_a_task_with_two_guards_holds_both_and_waits_for_the_busy_one(
 def test_worker_start_gives_guarded_tasks_a_releasing_request(app: Celery, worker: object) -> None:
     from celery.utils.imports import symbol_by_name
 
-    from celery_redsem.integration.worker.hooks import ReleasingRequest
+    from celery_redsem.integration.worker.request import ReleasingRequest
 
     assert issubclass(symbol_by_name(app.tasks["t.locked"].Request), ReleasingRequest)
 

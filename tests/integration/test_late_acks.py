@@ -6,8 +6,8 @@ import pytest
 from celery import Celery
 
 from celery_redsem import with_lock
-from celery_redsem.integration.guards.semaphore_guard import iter_guarded_tasks
-from celery_redsem.integration.worker.hooks import check_late_acks
+from celery_redsem.integration.guards.base import iter_guarded_tasks
+from celery_redsem.integration.worker.start_checks import check_late_acks
 
 
 def _app(acks_late: bool, **conf: object) -> Celery:

@@ -26,8 +26,9 @@ from celery_redsem import (
 )
 from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.integration.guards.rate_guard import rate_guards_of
-from celery_redsem.integration.guards.semaphore_guard import guards_of
+from celery_redsem.integration.guards.base import guards_of
+from celery_redsem.integration.guards.rate_guard import RateGuard
+from celery_redsem.integration.guards.semaphore_guard import SemaphoreGuard
 from tests.integration.apps.rate_tasks import (
     STACK_BURST,
     STACK_LIMIT,
@@ -122,10 +123,10 @@ def test_bad_arguments_fail_at_decoration() -> None:
 def test_stacked_guards_are_both_found(app: Celery) -> None:
     for name in ("r.rate_over_sem", "r.sem_over_rate"):
         task = app.tasks[name]
-        assert len(guards_of(task)) == 1
-        assert len(rate_guards_of(task)) == 1
-    assert rate_guards_of(app.tasks["r.tick"])[0].rate == TICK_RATE
-    assert guards_of(app.tasks["r.tick"]) == []
+        assert len(guards_of(task, SemaphoreGuard)) == 1
+        assert len(guards_of(task, RateGuard)) == 1
+    assert guards_of(app.tasks["r.tick"], RateGuard)[0].rate == TICK_RATE
+    assert guards_of(app.tasks["r.tick"], SemaphoreGuard) == []
 
 
 def test_eager_calls_sleep_until_their_slot(app: Celery, client: redis.Redis, key: str) -> None:

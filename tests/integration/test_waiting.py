@@ -10,14 +10,13 @@ import redis
 from celery.app.task import Context
 
 from celery_redsem import FairSemaphore, Permit, Waiting
-from celery_redsem.integration.line import (
+from celery_redsem.integration.line import attempt, wait_in_slot
+from celery_redsem.integration.wire import (
     WAIT_HEADER,
     WaitState,
-    attempt,
     headers_with_wait,
     read_wait,
     stamp_wait,
-    wait_in_slot,
 )
 from tests.servers import wait_until
 

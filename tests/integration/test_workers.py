@@ -14,7 +14,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 
 from celery_redsem import PermitLost
-from celery_redsem.integration.worker.hooks import has_child_processes
+from celery_redsem.integration.worker.request import has_child_processes
 from tests.integration.conftest import (
     WorkerProcess,
     holder,

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from celery_redsem.integration.seam import SlotQueue
+
 __all__ = [
     "ASK_AHEAD",
     "HELD_FOR_AT_MOST",
@@ -40,7 +42,6 @@ __all__ = [
     "SLOT_SOON",
     "SWEEP_EVERY",
     "AskAhead",
-    "unwritten_tasks",
 ]
 
 #: How many tasks at the head of the slot queue have their permits asked for ahead. One: the
@@ -65,13 +66,6 @@ def _never() -> bool:
     return False
 
 
-def unwritten_tasks(controller: Any) -> bool:
-    """Whether a worker's prefork pool holds tasks not yet written to their children (its
-    ``AsynPool``'s outbound buffer; False for any other pool)."""
-    pool = getattr(getattr(controller, "pool", None), "_pool", None)
-    return bool(getattr(pool, "outbound_buffer", None))
-
-
 class AskAhead(Generic[A]):
     """Asks for the first tasks in a worker's slot queue, and keeps each ask until its task
     takes a slot (:meth:`take`).
@@ -94,8 +88,7 @@ class AskAhead(Generic[A]):
         self._asked: dict[Any, tuple[float, A | None]] = {}
         #: Requests granted while queued, waiting first in the slot queue (in grant order).
         self._claimed: set[Any] = set()
-        self._slots: Any = None
-        self._process_task: Any = None
+        self._slots: Any = None  # the worker's SlotQueue, once installed
         self._hub: Any = None
         self._held_for_at_most = held_for_at_most
         self._handed_at = 0.0  # when the latest slot was handed out (monotonic)
@@ -108,20 +101,16 @@ class AskAhead(Generic[A]):
         self._put_off_at = 0.0
 
     def install(
-        self,
-        hub: Any,
-        slots: Any,
-        process_task: Callable[[Any], Any],
-        writes_pending: Callable[[], bool] = _never,
+        self, hub: Any, slots: SlotQueue, writes_pending: Callable[[], bool] = _never
     ) -> None:
-        """Look at ``slots``' queue (a kombu ``LaxBoundedSemaphore``) for requests queued with
-        ``process_task``, on every turn of ``hub`` (idempotent). While ``writes_pending()``
+        """Look at the queue of ``slots`` on every turn of ``hub`` (idempotent). While
+        ``writes_pending()``
         (tasks handed to the pool and not yet written to their children), asks wait until
         those writes are out: the turn's poll returns at once for them, and asks sent first
         would delay every task the pool is about to start."""
         if self._hub is hub:
             return
-        self._hub, self._slots, self._process_task = hub, slots, process_task
+        self._hub, self._slots = hub, slots
         self._writes_pending = writes_pending
         hub.on_tick.add(self._on_tick)
         hub.on_close.add(self._on_close)
@@ -161,6 +150,13 @@ class AskAhead(Generic[A]):
             return False
         return True
 
+    def unsent(self, req: Any) -> None:
+        """The ask for ``req`` registered with :meth:`sent` never went out: ``req`` is asked
+        for when it takes its slot (none is waited for)."""
+        entry = self._asked.get(req)
+        if entry is not None:
+            self._asked[req] = (entry[0], None)
+
     def claim_slot(self, req: Any) -> None:
         """``req``, queued for a slot, has its permit: if a slot is free it takes it now, else
         it goes first for the next slot given back (ahead of a parked task put first to be
@@ -169,24 +165,23 @@ class AskAhead(Generic[A]):
         slots = self._slots
         if slots is None or req in self._claimed:
             return
-        waiting = slots._waiting
-        if slots.value <= 0 and waiting and self._task_in(waiting[0]) is req:
+        if slots.free <= 0 and slots and slots.request_at(0) is req:
             self._claimed.add(req)  # first already
             return
         if not self.unqueue(req, forget=False):
             return
-        if slots.value <= 0:
-            waiting.insert(self._granted_first(), (self._process_task, (req,), {}))
+        if slots.free <= 0:
+            slots.put_first(req, behind=self._granted_first())
             self._claimed.add(req)
             return
-        slots.acquire(self._process_task, req)
+        slots.take(req)
 
     def _granted_first(self) -> int:
         """How many tasks at the head of the slot queue were granted and wait for a slot (a
         parked task woken since went in front of them: it is asked for first)."""
         count = 0
-        for entry in self._slots._waiting:
-            if self._task_in(entry) not in self._claimed:
+        for req in self._slots.first(len(self._claimed)):
+            if req not in self._claimed:
                 break
             count += 1
         return count
@@ -196,19 +191,7 @@ class AskAhead(Generic[A]):
         self._claimed.discard(req)
         if forget:
             self._asked.pop(req, None)
-        if self._slots is None:
-            return False
-        waiting = self._slots._waiting
-        for i, entry in enumerate(waiting):
-            if self._task_in(entry) is req:
-                del waiting[i]
-                return True
-        return False
-
-    def _task_in(self, entry: tuple[Any, tuple[Any, ...], Any]) -> Any:
-        """The request a slot queue ``entry`` is for, if admission's hook takes it, else None."""
-        callback, args, _kwargs = entry
-        return args[0] if callback == self._process_task and len(args) == 1 else None
+        return self._slots is not None and self._slots.remove(req)
 
     def _send(self, req: Any) -> None:
         """Ask for ``req`` (once at most, whatever the outcome; ``ask`` calls :meth:`sent`
@@ -217,7 +200,7 @@ class AskAhead(Generic[A]):
         self._ask(req)
 
     def _on_tick(self) -> None:
-        if not self._slots._waiting or not self._slots_free_soon():
+        if not self._slots or not self._slots_free_soon():
             return
         if self._put_off_at:
             if time.monotonic() - self._put_off_at < SWEEP_EVERY:
@@ -235,7 +218,7 @@ class AskAhead(Generic[A]):
         if not self._put_off_at:
             return
         self._put_off_at = 0.0
-        if self._slots._waiting:
+        if self._slots:
             self._ask_queued()
 
     def _ask_queued(self) -> None:
@@ -247,9 +230,7 @@ class AskAhead(Generic[A]):
 
     def _next_to_ask(self) -> Any:
         """The first of the first :data:`ASK_AHEAD` tasks in the slot queue not asked for yet."""
-        waiting = self._slots._waiting
-        for i in range(min(ASK_AHEAD, len(waiting))):
-            req = self._task_in(waiting[i])
+        for req in self._slots.first(ASK_AHEAD):
             if req is not None and req not in self._asked:
                 return req
         return None
@@ -263,7 +244,7 @@ class AskAhead(Generic[A]):
         self._fill_free_slots()
 
     def _sweep_asks(self) -> None:
-        queued = {id(args[0]) for _cb, args, _kw in self._slots._waiting if args}
+        queued = self._slots.queued_ids()
         too_old = time.monotonic() - self._held_for_at_most
         for req, (asked_at, asked) in list(self._asked.items()):
             if id(req) in queued and asked_at > too_old:
@@ -277,11 +258,10 @@ class AskAhead(Generic[A]):
         """Hand free slots to the queue's head, unless it waits for the answer to its ask
         (a queued task is otherwise handed a slot only when one is given back)."""
         slots = self._slots
-        while slots.value > 0 and slots._waiting:
-            if self._task_in(slots._waiting[0]) in self._asked:
+        while slots.free > 0 and slots:
+            if slots.request_at(0) in self._asked:
                 return  # takes a slot once granted
-            callback, args, kwargs = slots._waiting.popleft()
-            slots.acquire(callback, *args, **kwargs)
+            slots.start_first()
 
     def _on_close(self, *_: Any) -> None:
         """The event loop closes or resets (a lost broker connection): every queued task's

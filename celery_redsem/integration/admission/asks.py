@@ -33,10 +33,9 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from celery_redsem.core.client import socket_timeout
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError
-from celery_redsem.core.permits import Permit, Waiting
 from celery_redsem.core.scripts import ACQUIRE, script_failed
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.integration.line import attempt
+from celery_redsem.integration.line import Answer, attempt
 
 __all__ = ["DEFAULT_DEADLINE", "Answer", "Asks", "PipelinedAsks", "WaitingAsks", "asks_for"]
 
@@ -47,8 +46,6 @@ DEFAULT_DEADLINE = 10.0
 #: How often (seconds) the event loop looks for asks past their deadline.
 _CHECK_EVERY = 1.0
 
-#: What an ask's callback gets: the permit, the place in line, or why there is neither.
-Answer = Permit | Waiting | BackendError
 Callback = Callable[[Answer], None]
 
 

@@ -1,4 +1,4 @@
-"""Which tasks admission decides for, and its pause after a Redis error.
+"""Which tasks admission decides for, its pause after a Redis error, and slow key functions.
 
 :class:`Gate` picks the one guard of a task that admission asks for in the worker's main
 process (:mod:`~celery_redsem.integration.admission.dispatcher`); every other task goes straight to
@@ -7,7 +7,9 @@ pool child, which asks, waits or retries there
 (:mod:`~celery_redsem.integration.guards.contention`).
 After a Redis error it lets every task through for :data:`PAUSE_AFTER_ERROR` seconds, doubling
 with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`: a Redis that hangs (rather than
-refuses) would cost each ask a socket timeout in the event loop.
+refuses) would cost each ask a socket timeout in the event loop. A task whose key function
+is too slow for the worker's main process is left to its pool children from then on
+(:class:`SlowKeyFunctions`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import time
 from typing import Any
 
 from celery_redsem.core.errors import BackendError
-from celery_redsem.integration.dedupe.run_mark import DUPLICATE_FIELD
-from celery_redsem.integration.guards.naming import SlowKeyFunctions
-from celery_redsem.integration.guards.rate_guard import RateGuard, rate_guards_of
-from celery_redsem.integration.guards.semaphore_guard import TaskGuard, guards_of
+from celery_redsem.integration.guards.base import Guard, guards_of
+from celery_redsem.integration.wire import is_duplicate
 
-__all__ = ["MAX_PAUSE_AFTER_ERROR", "PAUSE_AFTER_ERROR", "Gate"]
+__all__ = [
+    "MAX_PAUSE_AFTER_ERROR",
+    "PAUSE_AFTER_ERROR",
+    "SLOW_KEY_FUNCTION",
+    "Gate",
+    "SlowKeyFunctions",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +47,19 @@ class Gate:
         self._errors_in_row = 0  # Redis errors since admission last got an answer
         self.slow_keys = SlowKeyFunctions()  # tasks whose key function is too slow for here
 
-    def guard_of(self, req: Any) -> TaskGuard | RateGuard | None:
+    def guard_of(self, req: Any) -> Guard | None:
         """The one guard of ``req``'s task if admission decides for it, else None."""
         if time.monotonic() < self.paused_until:
             return None
         task = getattr(req, "task", None)
         if task is None or task.name in self.slow_keys:
             return None
-        guards: list[TaskGuard | RateGuard] = [*guards_of(task), *rate_guards_of(task)]
+        guards = guards_of(task)
         if len(guards) != 1 or req.revoked():
             return None
-        if getattr(guards[0], "on_busy", "wait") != "wait":
+        if guards[0].on_busy != "wait":
             return None  # one try, never parked: its child asks, then runs, skips or fails
-        if req.request_dict.get(DUPLICATE_FIELD):
+        if is_duplicate(req.request_dict):
             return None  # ends at once in its child as a duplicate of the run with the mark
         return guards[0]
 
@@ -70,3 +76,33 @@ class Gate:
         logger.warning(
             "celery_redsem: admission paused for %.0fs after a Redis error: %s", pause, exc
         )
+
+
+#: A key function that takes longer than this (seconds) in the worker's main process, where
+#: it holds up every other task's dispatch, is left to the pool children from then on.
+SLOW_KEY_FUNCTION = 0.05
+
+
+class SlowKeyFunctions:
+    """The tasks whose key function was too slow for the worker's main process."""
+
+    def __init__(self) -> None:
+        self._names: set[str] = set()
+
+    def __contains__(self, task_name: object) -> bool:
+        return task_name in self._names
+
+    def timed(self, task_name: str, took: float) -> None:
+        """Leave ``task_name`` to the pool children if its key function took ``took`` seconds
+        (over :data:`SLOW_KEY_FUNCTION`): in the main process it holds up every dispatch."""
+        if took > SLOW_KEY_FUNCTION and task_name not in self._names:
+            self._names.add(task_name)
+            logger.warning(
+                "celery_redsem: the key function of %s took %.3fs in the worker's main process, "
+                "where it holds up the dispatch of every task; from now on %s asks for its "
+                "permit in its pool child. Make the key a quick function of the arguments "
+                "(no database or network calls) to keep admission at dispatch.",
+                task_name,
+                took,
+                task_name,
+            )

@@ -14,10 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery.worker import state as worker_state
-
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.integration.policy import hold_times
+from celery_redsem.integration.seam import live_request, live_requests
 
 __all__ = ["LiveRuns"]
 
@@ -52,18 +51,17 @@ class LiveRuns:
         connection, while the first delivery goes on)."""
         if any(r is not req for r in self._asking.get(run, ())):
             return True
-        handed = [r for r in self._handed.get(run, ()) if r is not req and _not_ended(r)]
+        handed = [r for r in self._handed.get(run, ()) if r is not req and live_request(r)]
         if handed:
             return True
         self._handed.pop(run, None)  # ended without telling us (never ran), if any are left
         return any(
-            r.id == req.id and r is not req and permit_id_of(r) == run
-            for r in list(worker_state.active_requests)
+            r.id == req.id and r is not req and permit_id_of(r) == run for r in live_requests()
         )
 
     def handed_here(self, run: str) -> bool:
         """Whether a delivery of run ``run`` went to the pool here with a grant, not ended."""
-        return any(_not_ended(r) for r in self._handed.get(run, ()))
+        return any(live_request(r) for r in self._handed.get(run, ()))
 
     def handed(
         self, req: Any, name: str, *, learn: bool = True, then: Callable[[], None] | None = None
@@ -111,9 +109,3 @@ def _remove(by_run: dict[str, list[Any]], run: str, req: Any) -> None:
         reqs.remove(req)
     if not reqs:
         by_run.pop(run, None)
-
-
-def _not_ended(req: Any) -> bool:
-    """Whether ``req`` is still reserved or running in this worker (two set lookups: no copy
-    of the worker's sets, which hold every parked task)."""
-    return req in worker_state.reserved_requests or req in worker_state.active_requests

@@ -29,36 +29,18 @@ acknowledged when it ends, as always.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections import OrderedDict
-from contextlib import suppress
 from typing import Any
 
 from celery_redsem.integration.policy import head_wait_budget
+from celery_redsem.integration.wire import open_grant_notices
 
-__all__ = [
-    "STANDBY_FIELD",
-    "GrantNotices",
-    "Standbys",
-    "clear_standby",
-    "mark_standby",
-    "take_standby",
-    "tell_granted",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["GrantNotices", "Standbys"]
 
 #: Semaphores whose last release here is remembered, at most (the least recent are forgotten).
 _MAX_NAMES = 10_000
-
-#: Field of the request dict that tells a pool child its task is a standby.
-STANDBY_FIELD = "redsem_standby"
-
-#: The write end of the grant notices' pipe, under "fd" (made in the main process before the
-#: pool forks its children, which inherit it); empty outside a worker with admission.
-_notice: dict[str, int] = {}
 
 
 class Standbys:
@@ -111,48 +93,12 @@ class Standbys:
             self._released_at.popitem(last=False)
 
 
-def mark_standby(request_dict: dict[str, Any]) -> None:
-    """Tell the child that the task in ``request_dict`` is a standby."""
-    request_dict[STANDBY_FIELD] = True
-
-
-def clear_standby(request_dict: dict[str, Any]) -> None:
-    """Remove the standby mark (before the main process decides afresh)."""
-    request_dict.pop(STANDBY_FIELD, None)
-
-
-def take_standby(request: Any) -> bool:
-    """In the child: whether this run is a standby; the mark is removed (also from the
-    request's headers, so no retry's message carries it)."""
-    standby = getattr(request, STANDBY_FIELD, None) is True
-    with suppress(AttributeError):
-        delattr(request, STANDBY_FIELD)
-    headers = getattr(request, "headers", None)
-    if isinstance(headers, dict):
-        headers.pop(STANDBY_FIELD, None)
-    return standby
-
-
-def tell_granted(task_id: str) -> None:
-    """In a standby's child: it got its permit; the main process acknowledges its message."""
-    fd = _notice.get("fd")
-    if fd is None:
-        return
-    try:  # (non-blocking: if the pipe is full, the message is acknowledged when the run ends)
-        os.write(fd, task_id.encode() + b"\n")
-    except OSError as exc:
-        logger.debug("celery_redsem: could not tell the main process of a grant: %s", exc)
-
-
 class GrantNotices:
     """The pipe on which standbys' children tell the worker's main process they got their
     permits; the main process then acknowledges their messages."""
 
     def __init__(self) -> None:
-        self._read_fd, write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        os.set_blocking(write_fd, False)
-        _notice["fd"] = write_fd
+        self._read_fd = open_grant_notices()
         self._expecting: dict[str, Any] = {}
         self._partial = b""
 

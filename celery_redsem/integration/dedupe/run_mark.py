@@ -20,7 +20,8 @@ longer than ``redsem_dedupe_lease`` keeps it.
 A message that did not take the mark as it was sent (``send_task`` by name, a step of a canvas
 sent while another run had the mark) takes it when it reaches a worker
 (:func:`~celery_redsem.integration.dedupe.sender.mark_received`, in the worker's main process): if
-another live run has it then, the request carries :data:`DUPLICATE_FIELD` and the run ends as
+another live run has it then, the request carries
+:data:`~celery_redsem.integration.wire.DUPLICATE_FIELD` and the run ends as
 a duplicate when it starts, whatever happened meanwhile, as a send would have decided.
 """
 
@@ -31,7 +32,6 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from contextlib import suppress
 from datetime import datetime
 from typing import Any
 
@@ -46,10 +46,10 @@ from celery_redsem.core.validation import Rule
 from celery_redsem.integration.guards.endings import skipped
 from celery_redsem.integration.line import release_quietly
 from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
+from celery_redsem.integration.wire import take_duplicate_of
 
 __all__ = [
     "DEDUPE",
-    "DUPLICATE_FIELD",
     "MarkKeeper",
     "RunMark",
     "clear_quietly",
@@ -62,9 +62,6 @@ logger = logging.getLogger(__name__)
 
 #: ``dedupe=``: off, on (a repeated send gets the queued run's result), or raise.
 DEDUPE = Rule("False, True or 'raise'", lambda value: value in (False, True, "raise"))
-#: Field of a request that the worker's main process sets, to the id of the run that has the
-#: mark, when the message reached it while another live run had the mark.
-DUPLICATE_FIELD = "redsem_duplicate_of"
 
 
 def mark_of(app: Celery, name: str, config: RedsemConfig | None = None) -> DedupeMark:
@@ -98,7 +95,7 @@ class RunMark:
         """Take the mark as the run starts: None if this run has it, else the id of the run
         that does (this one is a duplicate, or was found to be one as its message reached the
         worker). If Redis fails the run goes on (logged): the permit still limits it."""
-        other = _duplicate_of(request)
+        other = take_duplicate_of(request)
         if other is not None and other != self.task_id:
             return other
         try:
@@ -177,19 +174,6 @@ def end_duplicate(
         )
     args = tuple(request.args or ())
     skipped(task, request.id, sem.name, "duplicate", args=args, kwargs=request.kwargs or {})
-
-
-def _duplicate_of(request: Context) -> str | None:
-    """The run the worker's main process found to have the mark as this run's message reached
-    it, if it found one. The field is removed (also from the request's headers), so that no
-    retry's message carries it."""
-    value = getattr(request, DUPLICATE_FIELD, None)
-    with suppress(AttributeError):
-        delattr(request, DUPLICATE_FIELD)
-    headers = getattr(request, "headers", None)
-    if isinstance(headers, dict):
-        headers.pop(DUPLICATE_FIELD, None)
-    return value if isinstance(value, str) and value else None
 
 
 class MarkKeeper:

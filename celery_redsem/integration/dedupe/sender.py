@@ -29,24 +29,16 @@ import logging
 from typing import Any
 
 from celery import Celery, Task
-from celery._state import connect_on_app_finalize
 from celery.signals import beat_init
 from celery.utils import uuid
 
 from celery_redsem.core.errors import AlreadyQueued, BackendError
-from celery_redsem.integration.dedupe.run_mark import (
-    DUPLICATE_FIELD,
-    clear_quietly,
-    mark_of,
-    queued_ttl,
-)
+from celery_redsem.integration.dedupe.run_mark import clear_quietly, mark_of, queued_ttl
+from celery_redsem.integration.guards.base import Guard, guards_of, iter_guarded_tasks
 from celery_redsem.integration.guards.naming import call_arguments
-from celery_redsem.integration.guards.semaphore_guard import (
-    TaskGuard,
-    guards_of,
-    iter_guarded_tasks,
-)
+from celery_redsem.integration.seam import on_app_finalize
 from celery_redsem.integration.settings import get_config
+from celery_redsem.integration.wire import mark_duplicate
 
 __all__ = ["install_dedupe", "mark_received", "watch_apps"]
 
@@ -69,7 +61,7 @@ def install_dedupe(app: Celery) -> int:
     return wrapped
 
 
-def _wrap(task: Task[Any, Any], guard: TaskGuard) -> None:
+def _wrap(task: Task[Any, Any], guard: Guard) -> None:
     original = task.apply_async
 
     def apply_async(
@@ -123,7 +115,7 @@ def _wrap(task: Task[Any, Any], guard: TaskGuard) -> None:
 def mark_received(request: Any) -> None:
     """In the worker's main process, for a message just received (``task_received``): take the
     dedupe mark for its run if free, or, if another live run has it, set
-    :data:`~celery_redsem.integration.dedupe.run_mark.DUPLICATE_FIELD` on the request so the run
+    :data:`~celery_redsem.integration.wire.DUPLICATE_FIELD` on the request so the run
     ends
     as a duplicate. A message its send marked finds its own mark (one round trip, nothing
     changed). Whatever fails here is left to the run, which claims the mark as it starts."""
@@ -135,7 +127,7 @@ def mark_received(request: Any) -> None:
     guard = next((g for g in guards_of(task) if g.dedupe), None)
     if guard is None:
         return
-    request_dict.pop(DUPLICATE_FIELD, None)  # only this process says so
+    mark_duplicate(request_dict, None)  # only this process says so
     try:
         config = get_config(task.app)
         name = guard.name_for(task.name, call_arguments(task, request.args), request.kwargs or {})
@@ -153,7 +145,7 @@ def mark_received(request: Any) -> None:
     except Exception:  # a bad key function (or arguments): the run reports it as it starts
         return
     if holder != task_id:
-        request_dict[DUPLICATE_FIELD] = holder
+        mark_duplicate(request_dict, holder)
 
 
 def _after_finalize(sender: Any = None, **_: Any) -> None:
@@ -182,6 +174,6 @@ def watch_apps() -> None:
     global _watching  # noqa: PLW0603
     if _watching:
         return
-    connect_on_app_finalize(_on_finalize)
+    on_app_finalize(_on_finalize)
     beat_init.connect(_on_beat_init, weak=False, dispatch_uid=f"{__name__}.beat_init")
     _watching = True

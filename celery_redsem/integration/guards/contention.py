@@ -1,6 +1,6 @@
 """A run in a pool child asking for its permit: it gets one, waits in its slot, or retries.
 
-:class:`WorkerAsk` asks once (joining the FIFO line under the run's permit id); without a
+:class:`Contention` asks once (joining the FIFO line under the run's permit id); without a
 permit it waits for it in its slot if it is near
 (:func:`~celery_redsem.integration.policy.head_wait_budget`), else it re-publishes the task
 with a countdown and raises Celery's ``Retry``, its place in line holding a free permit for it
@@ -32,16 +32,7 @@ from celery_redsem.core.errors import AcquireTimeout, BackendError
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.integration.line import (
-    WaitState,
-    attempt,
-    headers_with_wait,
-    present_waiter_lease,
-    read_wait,
-    release_quietly,
-    server_ms,
-    wait_in_slot,
-)
+from celery_redsem.integration.line import attempt, release_quietly, server_ms, wait_in_slot
 from celery_redsem.integration.policy import (
     contention_countdown,
     error_countdown,
@@ -50,21 +41,24 @@ from celery_redsem.integration.policy import (
     return_delays,
 )
 from celery_redsem.integration.settings import RedsemConfig
+from celery_redsem.integration.wire import WaitState, headers_with_wait, read_wait
 from celery_redsem.metrics import record_timeout, record_wait
 
-__all__ = ["WorkerAsk"]
+__all__ = ["Contention"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class WorkerAsk:
-    """One run of a guarded task in a pool child, asking for a permit of semaphore ``name``."""
+class Contention:
+    """One run of a guarded task in a pool child, waiting for what ``name`` gives (a semaphore's
+    permit, or a rate limiter's start); ``what`` says it in messages (``"a permit of 'k'
+    (limit 2)"``)."""
 
     task: Task[Any, Any]
     request: Context
     name: str
-    limit: int
+    what: str
     #: The wait budget in seconds (None: no cap).
     max_wait: float | None
     config: RedsemConfig
@@ -83,7 +77,7 @@ class WorkerAsk:
         task, request, config = self.task, self.request, self.config
         permit_id = permit_id_of(request)  # this run's: see run_permit_id
         queue = _queue_of(task, request)
-        waiter_lease = present_waiter_lease(config)
+        waiter_lease = config.present_waiter_lease
         result = attempt(sem, permit_id, waiter_lease=waiter_lease)
         now_ms = server_ms(result, waiter_lease)
         if wait.due_ms and not wait.offline_ms:  # back from a contention retry: how late?
@@ -169,8 +163,8 @@ class WorkerAsk:
         task_id = cast(str, request.id)
         if not error.transient:
             raise BackendError(
-                f"task {task.name}[{task_id}] could not get a permit of {name!r} "
-                f"(limit {self.limit}): Redis refused in a way no retry can fix "
+                f"task {task.name}[{task_id}] could not get {self.what}: Redis refused in a "
+                "way no retry can fix "
                 f"({type(error.__cause__).__name__}): {error}",
                 name=name,
                 permit_id=task_id,
@@ -181,8 +175,8 @@ class WorkerAsk:
         waited = (known + offline_ms) / 1000
         if self.max_wait is not None and waited >= self.max_wait:
             raise BackendError(
-                f"task {task.name}[{task_id}] could not get a permit of {name!r} "
-                f"(limit {self.limit}) because Redis failed; it gave up after about "
+                f"task {task.name}[{task_id}] could not get {self.what} because Redis "
+                "failed; it gave up after about "
                 f"{waited:.1f}s (max_wait={self.max_wait}s, {wait.errors} retries after Redis "
                 f"errors): {error}",
                 name=name,
@@ -197,11 +191,11 @@ class WorkerAsk:
         )
         countdown = self._within_budget(countdown, waited)
         logger.warning(
-            "celery_redsem: %s[%s] could not reach Redis for a permit of %r, retrying in "
+            "celery_redsem: %s[%s] could not reach Redis for %s, retrying in "
             "%.2fs (retry %d after Redis errors): %s",
             task.name,
             task_id,
-            name,
+            self.what,
             countdown,
             wait.errors + 1,
             error,
@@ -217,7 +211,7 @@ class WorkerAsk:
             countdown,
             after,
             release=None,
-            reason=f"Redis failed while asking for a permit of {name!r}: {error}",
+            reason=f"Redis failed while asking for {self.what}: {error}",
             error=error,
         )
 

@@ -24,15 +24,14 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from celery import Task
 from celery._state import get_current_task
 from celery.local import Proxy
+from celery.signals import worker_init
 
 from celery_redsem.core.errors import ConfigurationError
-from celery_redsem.integration.dedupe.sender import watch_apps
-from celery_redsem.integration.guards.base import GUARD_ATTR
+from celery_redsem.integration.guards.base import GUARD_ATTR, Guard
 from celery_redsem.integration.guards.naming import KeyFunction, LimitFunction
 from celery_redsem.integration.guards.rate_guard import RateGuard
 from celery_redsem.integration.guards.reentry import current_permit
-from celery_redsem.integration.guards.semaphore_guard import GuardOptions, TaskGuard
-from celery_redsem.integration.worker.hooks import install_worker_hooks
+from celery_redsem.integration.guards.semaphore_guard import GuardOptions, SemaphoreGuard
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack
@@ -104,10 +103,10 @@ class _GuardDecorator:
     # docstring: __doc__ is one of those properties.)
 
     def __init__(
-        self, options: dict[str, Any], make_guard: Callable[..., object] = TaskGuard
+        self, options: dict[str, Any], make_guard: Callable[..., Guard] = SemaphoreGuard
     ) -> None:
         self.options = options
-        self.make_guard = make_guard  # TaskGuard, or RateGuard for @with_rate_limit
+        self.make_guard = make_guard  # SemaphoreGuard, or RateGuard for @with_rate_limit
 
     @property
     def __name__(self) -> str:
@@ -124,9 +123,11 @@ class _GuardDecorator:
             raise ConfigurationError(_WRITTEN_BARE)
         fn: Callable[..., Any] = args[0]
         _refuse_a_task(fn)
-        guard: Any = self.make_guard(fn, **self.options)
-        install_worker_hooks()  # a worker of this process then looks after guarded tasks
-        if getattr(guard, "dedupe", False):
+        guard = self.make_guard(fn, **self.options)
+        _install_worker_hooks()  # a worker of this process then looks after guarded tasks
+        if guard.dedupe:
+            from celery_redsem.integration.dedupe.sender import watch_apps
+
             watch_apps()  # its apps' sends take the dedupe mark
 
         @functools.wraps(fn)
@@ -183,3 +184,22 @@ def with_rate_limit(
     """
     options = {"rate": rate, "key": key, "burst": burst, "max_wait": max_wait}
     return _GuardDecorator(options, RateGuard)
+
+
+_hooked = False
+
+
+def _install_worker_hooks() -> None:
+    """Have every worker this process starts look after its guarded tasks (once per process).
+    The worker side (:mod:`celery_redsem.integration.worker`) loads only then: a process that
+    only sends tasks never loads it."""
+    global _hooked  # noqa: PLW0603
+    if not _hooked:
+        worker_init.connect(_on_worker_init, weak=False, dispatch_uid=f"{__name__}.worker_init")
+        _hooked = True
+
+
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    from celery_redsem.integration.worker.hooks import on_worker_init
+
+    on_worker_init(sender)

@@ -8,8 +8,7 @@ names. :class:`LimitRule` does the same for ``limit=``: a fixed int, or a limit 
 arguments by name (both through :class:`ByName`). Whatever such a function raises,
 :exc:`SystemExit` and :exc:`KeyboardInterrupt` included, becomes a
 :class:`~celery_redsem.KeyFunctionError`: it runs in the worker's main process during
-admission, where an escaping exit would stop the worker. A key function too slow for the main
-process is left to the pool children from then on (:class:`SlowKeyFunctions`).
+admission, where an escaping exit would stop the worker.
 """
 
 from __future__ import annotations
@@ -26,13 +25,11 @@ from celery_redsem.core.keys import validate_name
 from celery_redsem.core.validation import LIMIT
 
 __all__ = [
-    "SLOW_KEY_FUNCTION",
     "ByName",
     "KeyFunction",
     "KeyNaming",
     "LimitFunction",
     "LimitRule",
-    "SlowKeyFunctions",
     "call_arguments",
     "describe",
 ]
@@ -285,33 +282,3 @@ class LimitRule:
         except ConfigurationError as exc:
             raise self._by_name.error(task_name, f"returned {limit!r:.80}: {exc}") from None
         return checked
-
-
-#: A key function that takes longer than this (seconds) in the worker's main process, where
-#: it holds up every other task's dispatch, is left to the pool children from then on.
-SLOW_KEY_FUNCTION = 0.05
-
-
-class SlowKeyFunctions:
-    """The tasks whose key function was too slow for the worker's main process."""
-
-    def __init__(self) -> None:
-        self._names: set[str] = set()
-
-    def __contains__(self, task_name: object) -> bool:
-        return task_name in self._names
-
-    def timed(self, task_name: str, took: float) -> None:
-        """Leave ``task_name`` to the pool children if its key function took ``took`` seconds
-        (over :data:`SLOW_KEY_FUNCTION`): in the main process it holds up every dispatch."""
-        if took > SLOW_KEY_FUNCTION and task_name not in self._names:
-            self._names.add(task_name)
-            logger.warning(
-                "celery_redsem: the key function of %s took %.3fs in the worker's main process, "
-                "where it holds up the dispatch of every task; from now on %s asks for its "
-                "permit in its pool child. Make the key a quick function of the arguments "
-                "(no database or network calls) to keep admission at dispatch.",
-                task_name,
-                took,
-                task_name,
-            )

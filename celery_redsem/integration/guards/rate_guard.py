@@ -7,7 +7,7 @@
 
 * **In a worker** a refused run is re-published (same task id) with a countdown of exactly the
   time until its booked slot, through the contention-retry path of
-  :class:`~celery_redsem.integration.guards.contention.WorkerAsk`: it keeps ``request.retries`` and
+  :class:`~celery_redsem.integration.guards.contention.Contention`: it keeps ``request.retries`` and
   never
   touches ``max_retries``. Back at its slot it asks again and is admitted on its booking, so
   the runs of one key start in the order they first asked, and keys never wait for each other.
@@ -34,10 +34,9 @@ main process granted for an inner semaphore is given back when the rate guard re
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
 
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
@@ -46,16 +45,14 @@ from celery.app.task import Context
 from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.rate_limit import RateLimiter, RateResult, parse_rate
-from celery_redsem.core.validation import count_rule, seconds_rule
-from celery_redsem.integration.guards.base import guards_on
-from celery_redsem.integration.guards.contention import WorkerAsk
-from celery_redsem.integration.guards.naming import KeyFunction, KeyNaming, call_arguments
-from celery_redsem.integration.guards.semaphore_guard import guards_of
-from celery_redsem.integration.line import read_wait, release_quietly
+from celery_redsem.core.validation import count_rule
+from celery_redsem.integration.guards.base import Guard, guards_of
+from celery_redsem.integration.guards.contention import Contention
+from celery_redsem.integration.guards.naming import KeyFunction, call_arguments
 from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
-from celery_redsem.integration.wire import GRANT_FIELD, take_over
+from celery_redsem.integration.wire import read_wait
 
-__all__ = ["IN_SLOT", "LEAD", "RateGuard", "iter_rate_limited_tasks", "rate_guards_of"]
+__all__ = ["IN_SLOT", "LEAD", "RateGuard"]
 
 #: Seconds a refused run waits for its slot in the worker slot rather than through the broker.
 IN_SLOT = 0.05
@@ -65,23 +62,12 @@ IN_SLOT = 0.05
 #: this delays the key's later slots by its lateness (the rate is never exceeded to catch up).
 LEAD = 0.02
 _BURST = count_rule()
-_MAX_WAIT = seconds_rule(inf_ok=True)
 
 
-def iter_rate_limited_tasks(app: Celery) -> Iterator[Task[Any, Any]]:
-    """Every registered task of ``app`` that carries a ``@with_rate_limit`` guard."""
-    for task in list(app.tasks.values()):
-        if rate_guards_of(task):
-            yield task
-
-
-def rate_guards_of(task: object) -> list[RateGuard]:
-    """The rate guards on a task's ``run`` (outermost first), or an empty list."""
-    return guards_on(task, RateGuard)
-
-
-class RateGuard:
+class RateGuard(Guard):
     """The rate, burst and key of one ``@with_rate_limit`` task function."""
+
+    kind: ClassVar[str] = "rate"
 
     def __init__(
         self,
@@ -93,22 +79,16 @@ class RateGuard:
         max_wait: float | None = None,
     ) -> None:
         where = getattr(fn, "__qualname__", repr(fn))
-        self.fn = fn
         try:
             self.rate = parse_rate(rate)
         except ConfigurationError as exc:
             raise ConfigurationError(f"rate of {where}: {exc}") from None
         self.rate_text = rate
         self.burst: int = _BURST.check(burst, f"burst of {where}")
-        self.max_wait: float | None = (
-            None if max_wait is None else _MAX_WAIT.check(max_wait, f"max_wait of {where}")
-        )
-        self.naming = KeyNaming(fn, key, where)
-        self.key = key
-        self.signature = self.naming.signature
+        super().__init__(fn, key, max_wait)
 
     def __repr__(self) -> str:
-        return f"<RateGuard {self.fn.__qualname__} rate={self.rate_text!r} key={self.key!r}>"
+        return f"<RateGuard {self.where} rate={self.rate_text!r} key={self.key!r}>"
 
     def limiter(self, app: Celery, name: str, config: RedsemConfig | None = None) -> RateLimiter:
         """The rate limiter ``name`` with this guard's rate and burst and the app's settings."""
@@ -120,7 +100,7 @@ class RateGuard:
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call the function once the limiter admits this run (see the module docstring)."""
         task = cast("Task[Any, Any] | None", get_current_task())
-        ours = task is not None and self in rate_guards_of(task)
+        ours = task is not None and self in guards_of(task, RateGuard)
         app = task.app if task is not None else get_current_app()
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
@@ -167,11 +147,6 @@ class RateGuard:
         lead = min(LEAD, IN_SLOT / 2, config.head_wait / 2)
         return max(0.0, result.retry_after - lead)
 
-    def max_wait_for(self, config: RedsemConfig) -> float | None:
-        """This guard's wait budget in seconds under ``config`` (None: no cap)."""
-        max_wait = self.max_wait if self.max_wait is not None else config.max_wait
-        return None if max_wait is None or math.isinf(max_wait) else max_wait
-
     def _admit_in_worker(
         self,
         task: Task[Any, Any],
@@ -182,7 +157,8 @@ class RateGuard:
     ) -> None:
         """Return once admitted; else re-publish the run for its slot (raises ``Retry``)."""
         max_wait = self.max_wait_for(config)
-        ask = WorkerAsk(task, request, limiter.name, self.burst, max_wait, config)
+        what = f"a start of rate limiter {limiter.name!r} ({self.rate_text})"
+        ask = Contention(task, request, limiter.name, what, max_wait, config)
         permit_id = permit_id_of(request)
         in_slot = min(IN_SLOT, config.head_wait)
         started = time.monotonic()
@@ -203,7 +179,11 @@ class RateGuard:
                 name=limiter.name,
                 permit_id=permit_id,
             )
-        _give_back_grant(task, request, call, config)
+        # A permit the main process granted for a semaphore under this guard goes back: the
+        # run leaves now, and the grant must not wait for its lease to end or travel on.
+        for guard in guards_of(task):
+            if guard.give_back_grant(task, request, call):
+                break
         # A contention retry like a semaphore's: counted in the header (not back from a line).
         earlier = read_wait(request)
         wait = earlier._replace(attempts=earlier.attempts + 1, due_ms=0, offline_ms=0)
@@ -217,25 +197,3 @@ def _booked(limiter: RateLimiter, guard: RateGuard, result: RateResult) -> str:
         f"rate limiter {limiter.name!r} ({guard.rate_text}) booked a slot "
         f"{result.retry_after:.3f}s ahead"
     )
-
-
-def _give_back_grant(
-    task: Task[Any, Any],
-    request: Context,
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-    config: RedsemConfig,
-) -> None:
-    """Release a permit the worker's main process granted for a semaphore under this rate
-    guard (admission asks for the one semaphore of a task before its child runs): the run
-    leaves now, and the grant must not wait for its lease to end or travel in the retry."""
-    if getattr(request, GRANT_FIELD, None) is None:
-        return
-    for guard in guards_of(task):
-        try:
-            sem = guard.semaphore(task.app, guard.name_for(task.name, *call), config)
-        except (ConfigurationError, BackendError, TypeError):
-            continue
-        handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
-        if handed is not None:
-            release_quietly(sem, handed[0])
-            return

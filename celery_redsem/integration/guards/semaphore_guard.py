@@ -1,6 +1,6 @@
 """The guard of one decorated task function: it runs the body under a permit and releases it.
 
-:class:`TaskGuard` names the semaphore of a call
+:class:`SemaphoreGuard` names the semaphore of a call
 (:class:`~celery_redsem.integration.guards.naming.KeyNaming`), gets its permit, runs the body and
 releases. In a worker the permit id is the task id, stable across contention retries and
 redelivery (a run that the task's own ``self.retry()`` or ``replace()`` queued gets one of its
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 from celery import Celery, Task
-from celery import _state as celery_state
 from celery._state import get_current_app, get_current_task
 from celery.app.task import Context
 from celery.exceptions import Retry
@@ -43,8 +41,7 @@ from celery_redsem.core.heartbeat import HeldPermit, LeaseInterrupt, get_heartbe
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.core.validation import SECONDS, Rule, seconds_rule
-from celery_redsem.integration.admission.standby import take_standby, tell_granted
+from celery_redsem.core.validation import SECONDS, Rule
 from celery_redsem.integration.dedupe.run_mark import (
     DEDUPE,
     RunMark,
@@ -52,30 +49,35 @@ from celery_redsem.integration.dedupe.run_mark import (
     end_duplicate,
     mark_of,
 )
-from celery_redsem.integration.guards.base import guards_on
-from celery_redsem.integration.guards.contention import WorkerAsk
+from celery_redsem.integration.guards.base import Guard, guards_of
+from celery_redsem.integration.guards.contention import Contention
 from celery_redsem.integration.guards.endings import ON_BUSY, busy, skipped, try_once
-from celery_redsem.integration.guards.naming import KeyFunction, KeyNaming, LimitFunction, LimitRule
+from celery_redsem.integration.guards.naming import KeyFunction, LimitFunction, LimitRule
 from celery_redsem.integration.guards.reentry import Entered, enter, held_by_caller, leave
-from celery_redsem.integration.line import release_quietly
+from celery_redsem.integration.line import release_quietly, server_ms
 from celery_redsem.integration.policy import hold_times
+from celery_redsem.integration.seam import active_apps
 from celery_redsem.integration.settings import (
     LOST_LEASE_POLICY,
     RedsemConfig,
     get_client,
     get_config,
 )
-from celery_redsem.integration.wire import take_over
-from celery_redsem.metrics import record_run_grant, record_timeout
+from celery_redsem.integration.wire import (
+    has_grant,
+    read_wait,
+    take_grant,
+    take_standby,
+    tell_granted,
+)
+from celery_redsem.metrics import metrics_on, record_grant, record_grant_at_end, record_timeout
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack
 
-__all__ = ["GuardOptions", "TaskGuard", "guards_of", "iter_guarded_tasks"]
+__all__ = ["GuardOptions", "SemaphoreGuard"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_WAIT = seconds_rule(inf_ok=True)
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,6 @@ class _Call:
     config: RedsemConfig
 
 
-def guards_of(task: object) -> list[TaskGuard]:
-    """The semaphore guards on a task's ``run`` (outermost first), or an empty list."""
-    return guards_on(task, TaskGuard)
-
-
 class GuardOptions(TypedDict, total=False):
     """The options of ``@with_semaphore`` and ``@with_lock`` besides ``limit`` and ``key``
     (see :func:`~celery_redsem.with_semaphore` for their meaning and defaults; a test keeps
@@ -108,8 +105,10 @@ class GuardOptions(TypedDict, total=False):
     dedupe: bool | str
 
 
-class TaskGuard:
-    """The limit, key and options of one decorated task function."""
+class SemaphoreGuard(Guard):
+    """The limit, key and options of one ``@with_semaphore`` (or ``@with_lock``) function."""
+
+    kind: ClassVar[str] = "permit"
 
     def __init__(
         self,
@@ -123,7 +122,6 @@ class TaskGuard:
         lease, max_wait = options.get("lease"), options.get("max_wait")
         lost_lease_policy = options.get("lost_lease_policy")
         on_busy, dedupe = options.get("on_busy", "wait"), options.get("dedupe", False)
-        self.fn = fn
         self.limits = LimitRule(fn, limit, where)
         #: The limit if it is fixed, else None (a limit function: :meth:`limit_for`).
         self.limit: int | None = self.limits.fixed
@@ -134,22 +132,15 @@ class TaskGuard:
                 "key, use on_busy='skip' (it ends without running) or on_busy='fail' (it "
                 "fails with Busy)"
             )
-        self.max_wait: float | None = _optional(_MAX_WAIT, max_wait, f"max_wait of {where}")
+        super().__init__(fn, key, max_wait)
         self.lost_lease_policy: str | None = _optional(
             LOST_LEASE_POLICY, lost_lease_policy, f"lost_lease_policy of {where}"
         )
         self.on_busy: str = ON_BUSY.check(on_busy, f"on_busy of {where}")
-        self.dedupe: bool | str = DEDUPE.check(dedupe, f"dedupe of {where}")
-        self.naming = KeyNaming(fn, key, where)
-        self.key = key
-        self.signature = self.naming.signature
+        self.dedupe = DEDUPE.check(dedupe, f"dedupe of {where}")
 
     def __repr__(self) -> str:
-        return f"<TaskGuard {self.fn.__qualname__} limit={self.limits!r} key={self.key!r}>"
-
-    def name_for(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        """The semaphore name for one call (``args`` as the function receives them)."""
-        return self.naming.name_for(task_name, args, kwargs)
+        return f"<SemaphoreGuard {self.where} limit={self.limits!r} key={self.key!r}>"
 
     def limit_for(self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
         """The limit for one call (``args`` as the function receives them)."""
@@ -181,17 +172,12 @@ class TaskGuard:
             replica_timeout=config.replica_timeout,
         )
 
-    def max_wait_for(self, config: RedsemConfig) -> float | None:
-        """This guard's wait budget in seconds under ``config`` (None: no cap)."""
-        max_wait = self.max_wait if self.max_wait is not None else config.max_wait
-        return None if max_wait is None or math.isinf(max_wait) else max_wait
-
     # -- running -----------------------------------------------------------------------------
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call the function under a permit (see the module docstring)."""
         task = cast("Task[Any, Any] | None", get_current_task())
-        ours = task is not None and self in guards_of(task)
+        ours = task is not None and self in guards_of(task, SemaphoreGuard)
         app = task.app if task is not None else self._app_of_direct_call()
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
@@ -238,7 +224,7 @@ class TaskGuard:
             if request is not None:
                 setattr(request, "redsem_permit", held)  # noqa: B010 (not in the stubs)
             body_started = time.monotonic()
-            record_run_grant(task_name, permit, request, started, handed=confirmed_at is not None)
+            self._record_grant(call, permit, started, handed=confirmed_at is not None)
             result = self._run_body(held, args, kwargs)
         except Retry:
             retried = True  # the same task id comes back: its mark stays
@@ -292,13 +278,14 @@ class TaskGuard:
         with ``on_busy`` not "wait", fails (raises) or gives no permit (None: skip)."""
         task, name, config = call.task, call.name, call.config
         assert task is not None
-        ask = WorkerAsk(task, request, name, call.limit, self.max_wait_for(config), config)
+        what = f"a permit of {name!r} (limit {call.limit})"
+        ask = Contention(task, request, name, what, self.max_wait_for(config), config)
         try:  # building a cluster client already talks to the cluster
             sem = self.semaphore(task.app, name, config, call.limit)
         except BackendError as exc:
             ask.retry_after_error(exc, started=started)
         standby = take_standby(request)
-        handed = take_over(request, sem.name, sem.keys.prefix, sem.lease)
+        handed = take_grant(request, sem.name, sem.keys.prefix, sem.lease)
         if handed is not None and time.monotonic() - handed[1] <= sem.lease / 3:
             return sem, handed[0], handed[1]  # granted in the main process, moments ago
         # No grant, or one that waited for this child longer than the heartbeat would have
@@ -320,10 +307,30 @@ class TaskGuard:
     def _app_of_direct_call(self) -> Celery:
         """The app of the task this guard is on, for a ``task.run(...)`` call (no task on the
         stack): a finalized app that registered it, else the current app."""
-        for app in list(celery_state._get_active_apps()):  # type: ignore[attr-defined]
-            if app.finalized and any(self in guards_of(t) for t in list(app.tasks.values())):
-                return cast(Celery, app)
+        for app in active_apps():
+            if getattr(app, "finalized", False) and any(
+                self in guards_of(t) for t in list(app.tasks.values())
+            ):
+                return app
         return get_current_app()
+
+    def _record_grant(self, call: _Call, permit: Permit, started: float, *, handed: bool) -> None:
+        """Count the run's grant (asked for at monotonic ``started``) in the metrics, with its
+        wait since the first ask of earlier retries or parking, if any (``handed``: by the
+        main process, which counted it)."""
+        if handed or not metrics_on():
+            return
+        request, task = call.request, call.task
+        in_worker = request is not None and not request.is_eager and not request.called_directly
+        since_ms = read_wait(request).first_ms if in_worker and request is not None else 0
+        if since_ms > 0:
+            waited = (server_ms(permit, 0) - since_ms) / 1000
+        else:
+            waited = time.monotonic() - started
+        if in_worker and len(guards_of(task)) > 1:
+            record_grant_at_end(request, call.task_name, waited)
+        else:
+            record_grant(call.task_name, waited)
 
     def _run_body(self, held: HeldPermit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
@@ -393,6 +400,22 @@ class TaskGuard:
         if self.dedupe and task_id:
             clear_quietly(mark_of(app, name), task_id)
         return release_quietly(self.semaphore(app, name, limit=limit), permit_id) is True
+
+    def give_back_grant(
+        self, task: Task[Any, Any], request: Any, call: tuple[tuple[Any, ...], Mapping[str, Any]]
+    ) -> bool:
+        """Release a permit the worker's main process granted this run (see :class:`Guard`)."""
+        if not has_grant(request):
+            return False
+        try:
+            name, limit = self.name_and_limit(task.name, *call)
+            sem = self.semaphore(task.app, name, limit=limit)
+        except (ConfigurationError, BackendError, KeyFunctionError, TypeError):
+            return False
+        handed = take_grant(request, sem.name, sem.keys.prefix, sem.lease)
+        if handed is not None:
+            release_quietly(sem, handed[0])
+        return handed is not None
 
     def _run_mark(self, call: _Call) -> RunMark | None:
         """The dedupe mark this run keeps, if it has one (not for direct calls)."""
@@ -464,11 +487,3 @@ def _disarm(held: HeldPermit) -> None:
         except LeaseInterrupt:
             continue
         return
-
-
-def iter_guarded_tasks(app: Celery) -> Iterator[tuple[Task[Any, Any], list[TaskGuard]]]:
-    """Every registered task of ``app`` that carries a guard, with its guards."""
-    for task in list(app.tasks.values()):
-        guards = guards_of(task)
-        if guards:
-            yield task, guards

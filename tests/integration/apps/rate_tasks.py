@@ -17,8 +17,7 @@ from typing import Any, NamedTuple
 import redis
 from celery import Celery
 
-from celery_redsem import with_rate_limit, with_semaphore
-from celery_redsem.integration.line import read_wait
+from celery_redsem import contention_retries, with_rate_limit, with_semaphore
 from tests.integration.apps.tasks import _ENTER, _EXIT, app_settings
 
 #: The stacked tasks: a semaphore of STACK_LIMIT and a rate of STACK_RATE a second with a burst
@@ -68,7 +67,7 @@ def add_rate_tasks(app: Celery, redis_url: str, prefix: str, *, stacked: bool = 
     def log_start(key: str, n: int, request: Any) -> None:
         client = counter()
         seconds, micros = client.time()
-        trips = read_wait(request).attempts
+        trips = contention_retries(request)
         entry = f"{seconds * 1_000_000 + micros} {n} {request.retries} {trips} {request.hostname}"
         client.rpush(f"{prefix}:r:starts:{key}", entry)
 

@@ -25,7 +25,7 @@ from celery_redsem import (
     with_lock,
     with_semaphore,
 )
-from celery_redsem.integration.line import WAIT_HEADER
+from celery_redsem.integration.wire import WAIT_HEADER
 
 #: Socket timeout of the bodies' own Redis client: above the longest BLPOP they wait on for the
 #: test's go (redis-py 8 would give them 5 s, and a loaded host can keep a body waiting longer).

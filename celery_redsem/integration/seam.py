@@ -1,0 +1,270 @@
+"""The one seam over Celery's and kombu's private API: every private name the package uses.
+
+Celery has no public hook at dispatch, so admission (:mod:`.admission`) has to touch private
+API. All of it is here, with what it is used for; nothing else in the package names any of it:
+
+=============================================  ===============================================
+Celery / kombu                                 used for
+=============================================  ===============================================
+``WorkController._process_task``               admission's hook: replaced on the worker
+``WorkController._process_task_sem``           tells a pool that gates dispatch by its slots
+kombu ``LaxBoundedSemaphore._waiting``         the slot queue: put first, remove, claim a slot
+``WorkController._quick_release``              a slot's release (Celery binds it at start)
+prefork ``AsynPool.outbound_buffer``           tasks handed to the pool, not yet written
+``celery._state._get_active_apps``             the app of a guarded function called directly
+``celery._state.connect_on_app_finalize``      dedupe's send side, as each app is finalized
+``celery.worker.state`` request sets, flags    runs live in this worker, a stopping worker
+=============================================  ===============================================
+
+:func:`probe` checks, as a worker starts, that what admission needs is there and behaves as
+expected (a throwaway slot semaphore of the worker's own class is driven through a queue and a
+release), and says what is not; admission then stays off with one warning naming the Celery
+and kombu versions (:func:`versions`), and guarded tasks ask in their pool children instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from typing import Any
+
+from celery import Celery, bootsteps
+from celery import _state as celery_state
+from celery.worker import state as worker_state
+
+__all__ = [
+    "SlotQueue",
+    "active_apps",
+    "hook_dispatch",
+    "live_request",
+    "live_requests",
+    "on_app_finalize",
+    "probe",
+    "slot_queue",
+    "unwritten_tasks",
+    "versions",
+    "worker_stopping",
+]
+
+#: A slot queue entry, as kombu keeps it: the callback, its args and its kwargs.
+Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+_BLUEPRINT_RUNNING: int = bootsteps.RUN  # type: ignore[attr-defined]  # (not in the stubs)
+
+
+# -- apps ------------------------------------------------------------------------------------------
+
+
+def active_apps() -> list[Celery]:
+    """The Celery apps alive in this process."""
+    return list(celery_state._get_active_apps())  # type: ignore[attr-defined]
+
+
+def on_app_finalize(callback: Callable[[Celery], None]) -> None:
+    """Call ``callback(app)`` as each app of this process starts to finalize (and for those
+    finalized already)."""
+    celery_state.connect_on_app_finalize(callback)
+
+
+# -- the worker's state ----------------------------------------------------------------------------
+
+
+def live_request(req: Any) -> bool:
+    """Whether ``req`` is still reserved or running in this worker (two set lookups: no copy
+    of the worker's sets, which hold every parked task)."""
+    return req in worker_state.reserved_requests or req in worker_state.active_requests
+
+
+def live_requests() -> list[Any]:
+    """The requests running in this worker now."""
+    return list(worker_state.active_requests)
+
+
+def worker_stopping(controller: Any) -> bool:
+    """Whether the worker is shutting down (its pool may run nothing more)."""
+    for flag in (worker_state.should_stop, worker_state.should_terminate):
+        if flag is not None and flag is not False:  # an exit code, 0 included
+            return True
+    blueprint = getattr(controller, "blueprint", None)
+    state: object = getattr(blueprint, "state", _BLUEPRINT_RUNNING)
+    return state != _BLUEPRINT_RUNNING
+
+
+def unwritten_tasks(controller: Any) -> bool:
+    """Whether a worker's prefork pool holds tasks not yet written to their children (its
+    ``AsynPool``'s outbound buffer; False for any other pool)."""
+    pool = getattr(getattr(controller, "pool", None), "_pool", None)
+    return bool(getattr(pool, "outbound_buffer", None))
+
+
+# -- dispatch --------------------------------------------------------------------------------------
+
+
+def hook_dispatch(controller: Any, hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Have the worker call ``hook(req)`` where it would hand ``req`` to its pool (with a slot
+    taken, on a pool with slots); returns the worker's own hand-over, for the hook to call."""
+    dispatch: Callable[[Any], Any] = controller._process_task
+    controller._process_task = hook
+    return dispatch
+
+
+class SlotQueue:
+    """The prefork pool's slots (kombu's ``LaxBoundedSemaphore``) as admission uses them.
+
+    A task takes a slot with :meth:`take`: at once if one is free, else queued, last, to get
+    the next one given back. Admission also reads and rearranges the queue of tasks that wait
+    for a slot, for the requests it queued with ``process_task`` (its hook).
+    """
+
+    def __init__(self, semaphore: Any, process_task: Callable[[Any], Any]) -> None:
+        self._semaphore = semaphore
+        self._waiting: deque[Entry] = semaphore._waiting
+        self._process_task = process_task
+
+    @property
+    def free(self) -> int:
+        """How many slots are free now."""
+        return int(self._semaphore.value)
+
+    def take(self, req: Any) -> None:
+        """``req`` takes a slot: now if one is free (``process_task(req)`` runs), else when
+        one is given back."""
+        self._semaphore.acquire(self._process_task, req)
+
+    def give_back(self) -> None:
+        """Give a slot back (the next task queued for one takes it)."""
+        self._semaphore.release()
+
+    def __bool__(self) -> bool:
+        """Whether any task waits for a slot."""
+        return bool(self._waiting)
+
+    def request_at(self, index: int) -> Any:
+        """The request queued at ``index`` (0: first) if admission queued it, else None."""
+        callback, args, _kwargs = self._waiting[index]
+        return args[0] if callback == self._process_task and len(args) == 1 else None
+
+    def first(self, count: int) -> Iterator[Any]:
+        """The requests (None where another callback is queued) among the first ``count``."""
+        for index in range(min(count, len(self._waiting))):
+            yield self.request_at(index)
+
+    def queued_ids(self) -> set[int]:
+        """The ``id()`` of every request queued for a slot."""
+        return {id(args[0]) for _cb, args, _kw in self._waiting if args}
+
+    def put_first(self, req: Any, *, behind: int = 0) -> None:
+        """Queue ``req`` for the next slot given back, behind the first ``behind`` queued."""
+        self._waiting.insert(behind, (self._process_task, (req,), {}))
+
+    def remove(self, req: Any) -> bool:
+        """Take ``req`` out of the queue; False if it was not there."""
+        for index, (callback, args, _kwargs) in enumerate(self._waiting):
+            if callback == self._process_task and len(args) == 1 and args[0] is req:
+                del self._waiting[index]
+                return True
+        return False
+
+    def start_first(self) -> None:
+        """Give a free slot to the first task queued (whatever its callback)."""
+        callback, args, kwargs = self._waiting.popleft()
+        self._semaphore.acquire(callback, *args, **kwargs)
+
+    def defer_releases(self, controller: Any, hub: Any, while_: Callable[[], bool]) -> None:
+        """While ``while_()`` holds, a slot given back goes to the next task one event-loop
+        step later (see :class:`~celery_redsem.integration.admission.parking.ParkingLot`).
+
+        Both ways Celery gives a slot back are deferred: the semaphore's ``release``, and the
+        ``_quick_release`` the worker bound to it as it started (a task revoked as it was
+        handed to the pool gives its slot back through that one).
+        """
+        semaphore = self._semaphore
+        if getattr(semaphore, "_redsem_deferred", False):
+            return
+        release = semaphore.release
+
+        def release_soon() -> None:
+            if while_():
+                hub.call_soon(release)
+            else:
+                release()
+
+        semaphore.release = release_soon
+        semaphore._redsem_deferred = True
+        if getattr(controller, "_quick_release", None) == release:
+            controller._quick_release = release_soon
+
+
+def slot_queue(controller: Any, process_task: Callable[[Any], Any]) -> SlotQueue | None:
+    """The worker's slots, if its pool dispatches by them (prefork), else None."""
+    semaphore = getattr(controller, "semaphore", None)
+    uses_it = getattr(controller, "process_task", None) == getattr(
+        controller, "_process_task_sem", object()
+    )
+    if (
+        semaphore is None
+        or not uses_it
+        or not isinstance(getattr(semaphore, "_waiting", None), deque)
+        or getattr(controller, "timer", None) is None
+    ):
+        return None
+    return SlotQueue(semaphore, process_task)
+
+
+# -- the probe -------------------------------------------------------------------------------------
+
+
+def versions() -> str:
+    """The versions of Celery and kombu installed, for messages."""
+    found = []
+    for name in ("celery", "kombu"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} (version unknown)")
+    return ", ".join(found)
+
+
+def probe(controller: Any) -> list[str]:
+    """What admission needs of the worker ``controller`` and does not find there (empty: all is
+    as expected). Called once its pool is made (its slot semaphore exists by then)."""
+    problems = []
+    if not callable(getattr(controller, "_process_task", None)):
+        problems.append("the worker has no _process_task to hook")
+    if getattr(controller, "process_task", None) is None:
+        problems.append("the worker has no process_task")
+    semaphore = getattr(controller, "semaphore", None)
+    if semaphore is not None and getattr(controller, "_process_task_sem", None) is not None:
+        problems += _probe_slots(type(semaphore))
+        if not callable(getattr(controller, "_quick_release", None)):
+            problems.append("the worker has no _quick_release")
+    return problems
+
+
+def _probe_slots(cls: type) -> list[str]:
+    """Drive a throwaway slot semaphore of class ``cls`` through a queue and two releases, as
+    admission does, and say what did not behave as expected."""
+    started: list[int] = []
+
+    def start(number: int) -> None:
+        started.append(number)
+
+    try:
+        slots = cls(1)
+        waiting = getattr(slots, "_waiting", None)
+        if not isinstance(waiting, deque):
+            return [f"its slot semaphore ({cls.__qualname__}) keeps no _waiting deque"]
+        slots.acquire(start, 1)
+        slots.acquire(start, 2)
+        queued = list(waiting)
+        slots.release()
+        after_release = (list(started), len(waiting), slots.value)
+        slots.release()
+    except Exception as exc:
+        return [f"its slot semaphore ({cls.__qualname__}) failed a probe: {exc!r}"]
+    if queued != [(start, (2,), {})]:
+        return [f"its slot semaphore queues tasks as {queued!r}, not (callback, args, kwargs)"]
+    if after_release != ([1, 2], 0, 0) or slots.value != 1:
+        return [f"its slot semaphore hands a released slot on unexpectedly: {after_release!r}"]
+    return []

@@ -1,0 +1,162 @@
+"""The checks a worker with guarded tasks runs as it starts.
+
+:func:`refuse_without_redis` stops a worker (at ``worker_init``) that has guarded tasks but no
+usable Redis setting: every guarded task would fail. (A server that is set but unreachable is
+no reason: tasks retry until it answers.) The :class:`StartChecks` bootstep logs, once the
+worker's logging is set up, what :func:`start_warnings` finds: ``acks_late`` tasks that a lost
+broker connection would run twice, leases too short for the socket timeout, a ``maxmemory-policy``
+that could evict semaphore keys, and admission turned off because Celery's internals are not
+as it expects (:func:`~celery_redsem.integration.seam.probe`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, Task, bootsteps
+
+from celery_redsem.core.client import RedisClient
+from celery_redsem.core.errors import (
+    REDIS_ERRORS,
+    BackendError,
+    ConfigurationError,
+    RedsemError,
+    is_transient,
+)
+from celery_redsem.integration.guards.base import Guard, iter_guarded_tasks
+from celery_redsem.integration.settings import (
+    RedsemConfig,
+    get_client,
+    get_config,
+    refresh_stall_warning,
+)
+
+__all__ = [
+    "StartChecks",
+    "check_eviction_policy",
+    "check_late_acks",
+    "check_task_leases",
+    "refuse_without_redis",
+    "start_warnings",
+]
+
+logger = logging.getLogger(__name__)
+
+_EVICTING = ("allkeys-", "volatile-")
+
+
+def check_eviction_policy(client: RedisClient) -> str | None:
+    """A warning if the server's ``maxmemory-policy`` could evict semaphore keys, or if it
+    cannot be asked (not reachable, or refusing); None if all is well.
+
+    Semaphore keys carry TTLs, so ``volatile-*`` policies can evict them as well as
+    ``allkeys-*``. Read from ``INFO memory`` (which the documented ACL rule allows, unlike
+    ``CONFIG GET``); on a cluster every node is checked.
+    """
+    try:
+        reply = client.info("memory")
+    except REDIS_ERRORS as exc:
+        if is_transient(exc):
+            return (
+                f"celery_redsem: cannot reach the semaphores' Redis at worker start ({exc}); "
+                "guarded tasks are retried until it answers (for up to redsem_max_wait)"
+            )
+        return (
+            f"celery_redsem: the semaphores' Redis refused INFO at worker start ({exc}): "
+            "its maxmemory-policy was not checked; if it refuses the scripts too, guarded "
+            "tasks fail saying why"
+        )
+    per_node = reply.values() if "maxmemory_policy" not in reply else [reply]
+    policies = {str(node.get("maxmemory_policy")) for node in per_node if isinstance(node, dict)}
+    evicting = sorted(p for p in policies if p.startswith(_EVICTING))
+    if evicting:
+        return (
+            f"celery_redsem: Redis maxmemory-policy is {evicting[0]!r}: under memory pressure the "
+            "server may evict semaphore keys and let more tasks run than the limit allows; use "
+            "'noeviction' (or a separate Redis for semaphores)"
+        )
+    return None
+
+
+def check_late_acks(app: Celery, tasks: list[Task[Any, Any]]) -> str | None:
+    """A warning if guarded tasks acknowledge late while a lost broker connection leaves them
+    running (``worker_cancel_long_running_tasks_on_connection_loss`` off, Celery 5's default):
+    the broker then delivers a running task again, maybe to another worker, and both copies
+    run on the task id's one permit. None if nothing to say."""
+    if app.conf.get("worker_cancel_long_running_tasks_on_connection_loss"):
+        return None
+    late = sorted(task.name for task in tasks if getattr(task, "acks_late", False))
+    if not late:
+        return None
+    return (
+        f"celery_redsem: guarded tasks with acks_late ({', '.join(late[:5])}"
+        f"{', ...' if len(late) > 5 else ''}) keep running when the broker connection is "
+        "lost, and the broker delivers them again: on another worker the two copies would "
+        "share the task id's permit. Set worker_cancel_long_running_tasks_on_connection_loss"
+        " = True (in Django settings: CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS)"
+    )
+
+
+def check_task_leases(
+    config: RedsemConfig, guarded: list[tuple[Task[Any, Any], list[Guard]]]
+) -> list[str]:
+    """A warning for each task (of ``guarded``: tasks with their guards) whose own ``lease=``
+    is so short that one hung Redis call can outlast a heartbeat interval (``redsem_lease``
+    is checked when the settings are read)."""
+    warnings = []
+    for task, guards in guarded:
+        for guard in guards:
+            if guard.lease is not None:
+                warning = refresh_stall_warning(config, guard.lease, f"{task.name}'s lease")
+                if warning:
+                    warnings.append(warning)
+    return warnings
+
+
+class StartChecks(bootsteps.StartStopStep):
+    """Logs celery_redsem's start-up warnings as the worker starts, once its logging is set up
+    (``worker_init`` comes before that: a warning logged there has no time and no level)."""
+
+    label = "celery_redsem checks"
+
+    def start(self, parent: Any) -> None:
+        found = getattr(parent, "redsem_start_warnings", [])  # (admission's, say)
+        for warning in [*found, *start_warnings(parent.app)]:
+            logger.warning(warning)
+
+
+def start_warnings(app: Celery) -> list[str]:
+    """What a worker of ``app`` should warn about at start: late acks, leases too short for
+    the socket timeout, an eviction policy that could drop semaphore keys."""
+    with_guards = list(iter_guarded_tasks(app))
+    if not with_guards:
+        return []
+    config = get_config(app)
+    warnings = [
+        check_late_acks(app, [task for task, _guards in with_guards]),
+        refresh_stall_warning(config, config.lease, "redsem_lease"),
+        *check_task_leases(config, with_guards),
+    ]
+    if config.check_eviction_policy:
+        try:
+            warnings.append(check_eviction_policy(get_client(app)))
+        except RedsemError as exc:  # a cluster client asks the cluster as it is built
+            warnings.append(f"celery_redsem: cannot check Redis at worker start: {exc}")
+    return [warning for warning in warnings if warning]
+
+
+def refuse_without_redis(app: Celery, guarded: list[Task[Any, Any]]) -> None:
+    """Stop a worker that has guarded tasks but no usable Redis setting, with one message
+    (every guarded task would fail). An unreachable server is no reason: tasks retry."""
+    try:
+        get_config(app).require_redis_url()
+        get_client(app)
+    except ConfigurationError as exc:
+        names = ", ".join(sorted(task.name for task in guarded)[:5])
+        raise SystemExit(
+            f"celery_redsem: this worker cannot run its guarded tasks ({names}"
+            f"{', ...' if len(guarded) > 5 else ''}): {exc}"
+        ) from None
+    except BackendError:
+        pass  # a cluster that cannot be reached now: StartChecks warns, tasks retry
