@@ -1,14 +1,15 @@
 """End-to-end Celery benchmark: per-key limits through real prefork workers.
 
 Run with ``make bench-celery`` (every scenario, both brokers) or ``python -m
-benchmarks.bench_celery [--scenario NAME[,NAME]] [--brokers redis,amqp] [--scale F]``. One
+benchmarks.celery_e2e [--scenario NAME[,NAME]] [--brokers redis,amqp] [--scale F]``. One
 server (see :mod:`benchmarks._server`) holds results, semaphores and the bodies' records; it is
 also the ``redis`` broker. ``amqp`` is RabbitMQ (see :mod:`benchmarks._brokers`), skipped with
 a printed line where nothing answers. Each scenario on each broker runs under a unique prefix
 (its keys, its queue, its control exchange) that is deleted afterwards, and starts fresh
 workers for each of its phases, so phases measured side by side share nothing but the host.
 
-Scenarios (:mod:`benchmarks.scenarios`; sizes by option, all task counts times ``--scale``):
+Scenarios (:mod:`benchmarks.celery_e2e.scenarios`; sizes by option, all task counts times
+``--scale``):
 
 * ``backlog``: ``--backlog-tasks`` (1,000) x 20 ms on ONE key, limit 2. ``baseline``: the tasks
   unguarded on a dedicated worker ``-c 2``; ``guarded``: ``@with_semaphore`` on one worker
@@ -53,7 +54,7 @@ work-conserving FIFO dispatcher with W slots and limit L per key, the same send 
 measured mean body time: ``utilization`` = ideal makespan / real makespan, and ``p99 / ideal``
 compares wait percentiles (``n/a`` when the ideal p99 is under 1 ms). ``--dump PATH`` writes
 each phase's send times and body records to ``PATH.<broker>.<phase>.json`` for a closer look
-(:mod:`benchmarks.dump_report` shows where a batch lost time).
+(:mod:`benchmarks.celery_e2e.dump_report` shows where a batch lost time).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ from benchmarks.cpu import CpuMeter, CpuReading, local_redis_pid, per_task
 from celery_redsem import FairSemaphore, Permit, get_client, with_semaphore
 from celery_redsem.integration.waiting import WAIT_HEADER
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_APP = "benchmarks.celery_e2e.harness"  # what the workers' ``celery -A`` loads
 ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_LIMIT, ENV_TAG = (
     "REDSEM_BENCH_APP_URL",
     "REDSEM_BENCH_BROKER_URL",
@@ -255,7 +257,7 @@ def count_deliveries(url: str, prefix: str, tag: str) -> None:
             client.close()
 
 
-if os.environ.get(ENV_URL):  # imported by `celery -A benchmarks.bench_celery worker`
+if os.environ.get(ENV_URL):  # imported by `celery -A benchmarks.celery_e2e.harness worker`
     app = make_app(
         os.environ[ENV_URL],
         os.environ[ENV_PREFIX],
@@ -334,7 +336,7 @@ def start_workers(
         procs.append(
             subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "celery", "-A", "benchmarks.bench_celery", "worker"),
+                    *(sys.executable, "-m", "celery", "-A", WORKER_APP, "worker"),
                     *("-P", "prefork", "-c", str(concurrency), "-n", f"bench{i}@%h"),
                     *("-l", os.environ.get("REDSEM_BENCH_LOGLEVEL", "WARNING")),
                     *("--without-gossip", "--without-mingle", "--without-heartbeat"),
@@ -545,7 +547,7 @@ with a printed line when nothing answers there."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from benchmarks import scenarios
+    from benchmarks.celery_e2e import scenarios
 
     parser = argparse.ArgumentParser(
         description=HELP,
@@ -624,7 +626,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks import scenarios
+    from benchmarks.celery_e2e import scenarios
 
     return scenarios.run(parse_args(argv))
 

@@ -1,6 +1,6 @@
 """Core benchmark: acquire+release cost on an idle semaphore, and correctness under contention.
 
-Run with ``make bench-core`` (``python -m benchmarks.bench_core``). Everything runs against one
+Run with ``make bench-core`` (``python -m benchmarks.core``). Everything runs against one
 server: ``$REDSEM_BENCH_REDIS_URL`` if set, else a private embedded Valkey. Keys live under a
 unique prefix and are deleted by SCAN at the end; no database is ever flushed.
 
@@ -14,7 +14,7 @@ What is measured
   client's pool checkout on every call. FairSemaphore is measured against both;
 * ``FairSemaphore``: celery_redsem, limit 5 (one script call to acquire, one to release);
 * ``redis-py Lock``: ``redis.lock.Lock`` (``SET NX PX`` to acquire, a script to release);
-* the three "Redis in Action" semaphores of :mod:`benchmarks.seed_semaphores`.
+* the three "Redis in Action" semaphores of :mod:`benchmarks.core.seed_semaphores`.
 
 The implementations take turns in batches of 10 pairs, in a new random order every turn, so
 background load (this may be a shared machine) and whatever ran just before hit them all
@@ -34,9 +34,9 @@ with the fast clock (0.5 is fair). redis-py's Lock runs with limit 1 (it is a lo
 ``FairSemaphore`` appears twice: waiting in its FIFO line (``acquire(blocking=True)``), and
 with the same try + random sub-millisecond backoff loop the seed semaphores use.
 
-**Worst refresh call** (:mod:`benchmarks.refresh_stall`; ``--refresh-permits``, default 10,000):
-the server time of the longest single refresh script call (from ``SLOWLOG``) when one process
-refreshes that many permits at once, all in one call (as before chunking) and chunked.
+**Worst refresh call** (:mod:`benchmarks.core.refresh_stall`; ``--refresh-permits``, default
+10,000): the server time of the longest single refresh script call (from ``SLOWLOG``) when one
+process refreshes that many permits at once, all in one call (as before chunking) and chunked.
 
 If FairSemaphore misses the target against either floor, a breakdown follows: both floors,
 FairSemaphore's own commands (recorded) replayed over a kept connection with trivial scripts in
@@ -62,8 +62,12 @@ from typing import Any, Protocol
 import redis
 
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
-from benchmarks.refresh_stall import print_stall, run_refresh_stall
-from benchmarks.seed_semaphores import BasicSemaphore, CounterFairSemaphore, LockedFairSemaphore
+from benchmarks.core.refresh_stall import print_stall, run_refresh_stall
+from benchmarks.core.seed_semaphores import (
+    BasicSemaphore,
+    CounterFairSemaphore,
+    LockedFairSemaphore,
+)
 from celery_redsem import FairSemaphore, Permit
 
 IDLE_LIMIT = 5
@@ -671,7 +675,7 @@ def report(idle: IdleResult, contention: dict[str, ContentionResult]) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command line options (defaults keep a run well under 90 s on two cores)."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_core", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.core", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--rounds", type=int, default=15, help="interleaved idle rounds (default 15)"

@@ -1,8 +1,8 @@
 """The named scenarios of issue 19: each measured side by side, on one broker, in one run.
 
-Run through :mod:`benchmarks.bench_celery` (``--scenario backlog,uncontended,mixed``); its
+Run through :mod:`benchmarks.celery_e2e` (``--scenario backlog,uncontended,mixed``); its
 docstring says what each scenario measures and which targets it prints. Every phase gets fresh
-workers (:func:`~benchmarks.bench_celery.run_batch`); a scenario prints its host line, a table
+workers (:func:`~benchmarks.celery_e2e.harness.run_batch`); a scenario prints its host line, a table
 of its phases, then each target with its figure and MET or MISSED.
 """
 
@@ -23,7 +23,7 @@ import redis
 
 from benchmarks._brokers import Broker, amqp_broker, drop_queue, host_line
 from benchmarks._server import BenchServer, bench_server, delete_prefix, unique_prefix
-from benchmarks.bench_celery import Batch, Bench, make_app, run_batch, run_rounds
+from benchmarks.celery_e2e.harness import Batch, Bench, make_app, run_batch, run_rounds
 from benchmarks.cpu import compare_line
 
 BACKLOG_GUARDED = (1, 4)  # one worker -c 4

@@ -1,6 +1,6 @@
 """Per-key rate: ``@with_rate_limit`` against Celery's own ``rate_limit``, two prefork workers.
 
-Run with ``python -m benchmarks.bench_rate [--hot N] [--cold N] [--rate R] [--brokers
+Run with ``python -m benchmarks.rate [--hot N] [--cold N] [--rate R] [--brokers
 redis,amqp]``. The workload is issue 22's acceptance: ``--hot`` (120) tasks on key "hot", then
 ``--cold`` (30) on key "cold", all sent at once, through two real ``celery worker -P prefork -c
 C`` processes, once per variant:
@@ -16,7 +16,7 @@ first send to its last start against its ideal ``(N - 1) / R`` (targets: at most
 the hot key, 1.3 x for the cold one), the largest gap between a task's place in the send order
 and in the start order (first sent, first served), contention retries through the broker
 (trips) and failed tasks. RabbitMQ (``amqp``) is skipped with a printed line when nothing
-answers at ``--amqp-url``. The module is also the workers' app (``-A benchmarks.bench_rate``,
+answers at ``--amqp-url``. The module is also the workers' app (``-A benchmarks.rate.__main__``,
 set up from the environment).
 """
 
@@ -40,7 +40,7 @@ from benchmarks._server import bench_server, delete_prefix, unique_prefix
 from celery_redsem import with_rate_limit
 from celery_redsem.integration.waiting import read_wait
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ours", "celery")
 HOT_TARGET = 1.15  # the hot key's time to its last start, at most this x its ideal
 _ENV = ("REDSEM_BENCH_APP_URL", "REDSEM_BENCH_APP_BROKER", "REDSEM_BENCH_APP_PREFIX")
@@ -136,7 +136,7 @@ def _workers(broker: Broker, url: str, prefix: str, rate: float, concurrency: in
         _RATE_ENV: str(rate),
         "PYTHONPATH": str(ROOT),
     }
-    command = [sys.executable, "-m", "celery", "-A", "benchmarks.bench_rate", "worker"]
+    command = [sys.executable, "-m", "celery", "-A", "benchmarks.rate.__main__", "worker"]
     options = ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "--without-gossip"]
     return [
         subprocess.Popen(
