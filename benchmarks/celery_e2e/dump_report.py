@@ -40,7 +40,7 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
-from benchmarks.celery_e2e.scenarios import ideal_schedule
+from benchmarks.celery_e2e.ideal import ideal_schedule
 
 Record = dict[str, Any]
 
