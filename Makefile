@@ -33,22 +33,22 @@ demo: $(STAMP)
 bench: bench-core
 
 bench-core: $(STAMP)
-	$(PY) -m benchmarks.bench_core
+	$(PY) -m benchmarks.core
 
 # Every scenario on both brokers (RabbitMQ skipped where none answers on 127.0.0.1:5672);
 # e.g. `make bench-celery BENCH_ARGS="--scale 0.1"` for a smoke run. Classic run alone:
-# `python -m benchmarks.bench_celery`; see its --help.
+# `python -m benchmarks.celery_e2e`; see its --help.
 BENCH_ARGS ?=
 bench-celery: $(STAMP)
-	$(PY) -m benchmarks.bench_celery --scenario all $(BENCH_ARGS)
+	$(PY) -m benchmarks.celery_e2e --scenario all $(BENCH_ARGS)
 
 # One hot key's 1,000-deep burst (issue 19's backlog scenario) on both brokers.
 bench-burst: $(STAMP)
-	$(PY) -m benchmarks.bench_celery --scenario backlog $(BENCH_ARGS)
+	$(PY) -m benchmarks.celery_e2e --scenario backlog $(BENCH_ARGS)
 
 # Per-key rate: @with_rate_limit against Celery's rate_limit, two workers, both brokers.
 bench-rate: $(STAMP)
-	$(PY) -m benchmarks.bench_rate $(BENCH_ARGS)
+	$(PY) -m benchmarks.rate $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.bench_celery import Batch
-from benchmarks.scenarios import ideal_schedule, limit_ceiling, versus_ideal
+from benchmarks.celery_e2e.harness import Batch
+from benchmarks.celery_e2e.ideal import ideal_schedule
+from benchmarks.celery_e2e.scenarios import limit_ceiling, versus_ideal
 
 
 def _batch(keys: list[str], body: float = 0.1) -> Batch:

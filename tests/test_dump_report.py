@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.dump_report import (
+from benchmarks.celery_e2e.dump_report import (
     behind_batch,
     behind_ideal,
     child_split,

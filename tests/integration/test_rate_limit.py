@@ -1,7 +1,7 @@
 """``@with_rate_limit`` under Celery: eager calls, an in-process worker (threads pool: no
 admission, refused runs retried through the broker), and (slow) two real prefork workers
 holding a per-key rate together (issue 22's acceptance; its timing figures are the benchmark's,
-``benchmarks/bench_rate.py``: the bounds here are loose, the rate bounds strict)."""
+``benchmarks/rate/``: the bounds here are loose, the rate bounds strict)."""
 
 from __future__ import annotations
 

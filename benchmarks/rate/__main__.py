@@ -1,6 +1,6 @@
 """Per-key rate: ``@with_rate_limit`` against Celery's own ``rate_limit``, two prefork workers.
 
-Run with ``python -m benchmarks.bench_rate [--hot N] [--cold N] [--rate R] [--brokers
+Run with ``python -m benchmarks.rate [--hot N] [--cold N] [--rate R] [--brokers
 redis,amqp]``. The workload is issue 22's acceptance: ``--hot`` (120) tasks on key "hot", then
 ``--cold`` (30) on key "cold", all sent at once, through two real ``celery worker -P prefork -c
 C`` processes, once per variant:
@@ -16,8 +16,8 @@ first send to its last start against its ideal ``(N - 1) / R`` (targets: at most
 the hot key, 1.3 x for the cold one), the largest gap between a task's place in the send order
 and in the start order (first sent, first served), contention retries through the broker
 (trips) and failed tasks. RabbitMQ (``amqp``) is skipped with a printed line when nothing
-answers at ``--amqp-url``. The module is also the workers' app (``-A benchmarks.bench_rate``,
-set up from the environment).
+answers at ``--amqp-url``. The workers' app is :mod:`benchmarks.rate.app` (each worker loads
+:mod:`benchmarks.rate.worker`, which builds it from the environment).
 """
 
 from __future__ import annotations
@@ -33,62 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery
 
 from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, drop_queue, host_line
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
-from celery_redsem import with_rate_limit
-from celery_redsem.integration.wire import read_wait
+from benchmarks.rate.app import make_app, worker_environ
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ours", "celery")
 HOT_TARGET = 1.15  # the hot key's time to its last start, at most this x its ideal
-_ENV = ("REDSEM_BENCH_APP_URL", "REDSEM_BENCH_APP_BROKER", "REDSEM_BENCH_APP_PREFIX")
-_RATE_ENV = "REDSEM_BENCH_APP_RATE"
-
-
-def make_app(url: str, broker_url: str, prefix: str, rate: float) -> Celery:
-    """The benchmark's app: both variants of the task; starts logged on the server's clock.
-
-    Tasks go to the queue ``prefix`` (control messages to the exchange ``prefix``), so no other
-    run sees them; results and records stay on the Redis server ``url`` under ``prefix``.
-    """
-    app = Celery("bench_rate", set_as_current=False)
-    app.conf.update(
-        broker_url=broker_url,
-        result_backend=url,
-        task_default_queue=prefix,
-        control_exchange=prefix,
-        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
-        broker_connection_retry_on_startup=True,
-        redsem_key_prefix=prefix,
-        worker_hijack_root_logger=False,
-    )
-    if not broker_url.startswith("amqp"):
-        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
-    clients: dict[int, redis.Redis] = {}
-
-    def stamp(variant: str, key: str, n: int, request: Any) -> None:
-        client = clients.setdefault(os.getpid(), redis.Redis.from_url(url))
-        seconds, micros = client.time()
-        trips = read_wait(request).attempts  # contention retries through the broker
-        client.rpush(f"{prefix}:starts:{variant}:{key}", f"{seconds}.{micros:06d} {n} {trips}")
-
-    @app.task(shared=False, bind=True, name="bench.ours", max_retries=0)
-    @with_rate_limit(rate, key=lambda key: f"bench:{key}")
-    def ours(self: Any, key: str, n: int) -> None:
-        stamp("ours", key, n, self.request)
-
-    @app.task(shared=False, bind=True, name="bench.celery", max_retries=0, rate_limit=f"{rate}/s")
-    def celerys(self: Any, key: str, n: int) -> None:
-        stamp("celery", key, n, self.request)
-
-    return app
-
-
-if all(name in os.environ for name in (*_ENV, _RATE_ENV)):  # a worker of this benchmark
-    url, broker_url, prefix = (os.environ[name] for name in _ENV)
-    app = make_app(url, broker_url, prefix, float(os.environ[_RATE_ENV]))
+WORKER_APP = "benchmarks.rate.worker"  # what the workers' ``celery -A`` loads
 
 
 @dataclass(frozen=True)
@@ -128,15 +81,8 @@ def _figures(
 
 
 def _workers(broker: Broker, url: str, prefix: str, rate: float, concurrency: int) -> list[Any]:
-    env = {
-        **os.environ,
-        "REDSEM_BENCH_APP_URL": url,
-        "REDSEM_BENCH_APP_BROKER": broker.url,
-        "REDSEM_BENCH_APP_PREFIX": prefix,
-        _RATE_ENV: str(rate),
-        "PYTHONPATH": str(ROOT),
-    }
-    command = [sys.executable, "-m", "celery", "-A", "benchmarks.bench_rate", "worker"]
+    env = {**os.environ, **worker_environ(url, broker.url, prefix, rate), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "celery", "-A", WORKER_APP, "worker"]
     options = ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "--without-gossip"]
     return [
         subprocess.Popen(
@@ -254,7 +200,9 @@ def _verdicts(results: dict[str, tuple[list[KeyFigures], int]], args: argparse.N
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.rate", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--hot", type=int, default=120, help="tasks on the hot key (120)")
     parser.add_argument("--cold", type=int, default=30, help="tasks on the cold key (30)")
     parser.add_argument("--rate", type=float, default=20.0, help="per key, a second (20)")

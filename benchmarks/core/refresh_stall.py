@@ -1,4 +1,4 @@
-"""How long one refresh script call can stall the server: ``bench_core``'s "worst refresh
+"""How long one refresh script call can stall the server: the core benchmark's "worst refresh
 call" measurement (issue 20, item 10).
 
 A process holding ``N`` permits refreshes them all at once. A script blocks every other client

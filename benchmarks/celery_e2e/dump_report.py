@@ -1,7 +1,7 @@
-"""Where a Celery benchmark batch lost time: read the files ``bench_celery --dump`` wrote.
+"""Where a Celery benchmark batch lost time: read the files ``celery_e2e --dump`` wrote.
 
-``python -m benchmarks.dump_report PATH.redis.fair-0.json [PATH.redis.plain-0.json ...]``
-prints, for each batch:
+``python -m benchmarks.celery_e2e.dump_report PATH.redis.fair-0.json [PATH.redis.plain-0.json
+...]`` prints, for each batch:
 
 * **slot time**: per pool slot (a pool child), the mean idle time before its first run
   (``start``), between its runs (``gaps``, with the median gap) and after its last run until the
@@ -40,7 +40,7 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
-from benchmarks.scenarios import ideal_schedule
+from benchmarks.celery_e2e.ideal import ideal_schedule
 
 Record = dict[str, Any]
 
@@ -227,7 +227,7 @@ def report(path: str, slots: int, limit: int, other: dict[str, Any] | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="files bench_celery --dump wrote")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="files celery_e2e --dump wrote")
     parser.add_argument("--slots", type=int, default=16, help="pool slots in all (default 16)")
     parser.add_argument("--limit", type=int, default=3, help="the per-key limit (default 3)")
     parser.add_argument(

@@ -1,30 +1,31 @@
 """The named scenarios of issue 19: each measured side by side, on one broker, in one run.
 
-Run through :mod:`benchmarks.bench_celery` (``--scenario backlog,uncontended,mixed``); its
+Run through :mod:`benchmarks.celery_e2e` (``--scenario backlog,uncontended,mixed``); its
 docstring says what each scenario measures and which targets it prints. Every phase gets fresh
-workers (:func:`~benchmarks.bench_celery.run_batch`); a scenario prints its host line, a table
-of its phases, then each target with its figure and MET or MISSED.
+workers (:func:`~benchmarks.celery_e2e.harness.run_batch`); a scenario prints its host line, a
+table of its phases (:mod:`benchmarks.celery_e2e.tables`), then each target with its figure and
+MET or MISSED.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import heapq
 import random
 import statistics
-import sys
-import traceback
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
-
-from benchmarks._brokers import Broker, amqp_broker, drop_queue, host_line
-from benchmarks._server import BenchServer, bench_server, delete_prefix, unique_prefix
-from benchmarks.bench_celery import Batch, Bench, make_app, run_batch, run_rounds
-from benchmarks.cpu import compare_line
+from benchmarks.celery_e2e.harness import Batch, Bench, run_batch, run_rounds
+from benchmarks.celery_e2e.ideal import ideal_schedule, percentile
+from benchmarks.celery_e2e.tables import (
+    Target,
+    deliveries,
+    header,
+    print_cpu,
+    print_targets,
+    rate,
+    row,
+)
 
 BACKLOG_GUARDED = (1, 4)  # one worker -c 4
 BACKLOG_SPREAD = (2, 4)  # two workers -c 4
@@ -56,114 +57,6 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 def scaled(count: int, scale: float) -> int:
     return max(1, round(count * scale))
-
-
-# -- targets ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Target:
-    """One acceptance figure: what it is, its value (None: n/a) and the bound it must keep."""
-
-    name: str
-    value: float | None
-    bound: float
-    at_most: bool = False
-    digits: int = 2
-
-    @property
-    def met(self) -> bool | None:
-        if self.value is None:
-            return None
-        return self.value <= self.bound if self.at_most else self.value >= self.bound
-
-    def line(self) -> str:
-        op = "<=" if self.at_most else ">="
-        value = "n/a" if self.value is None else f"{self.value:.{self.digits}f}"
-        if self.value is not None and not self.met and float(value) == self.bound:
-            value = f"{self.value:.{self.digits + 1}f}"  # a miss that rounding would hide
-        verdict = {True: "MET", False: "MISSED", None: "n/a"}[self.met]
-        return f"  {self.name + ' ' + op + ' ' + f'{self.bound:g}':<52}{value:>9}  {verdict}"
-
-
-def print_targets(targets: list[Target]) -> bool:
-    print("targets:")
-    for target in targets:
-        print(target.line())
-    return all(t.met is not False for t in targets)
-
-
-def rate(count: int, batch: Batch) -> float:
-    return count / len(batch.records) if batch.records else float("nan")
-
-
-def row(name: str, setup: str, batch: Batch, extra: list[str]) -> str:
-    n = len(batch.records)
-    cells = [setup, str(n), f"{batch.makespan:.2f}s", *extra]
-    cells += [f"{batch.retries / n:.3f}", deliveries(batch), str(batch.over)]
-    return f"{name:<14}" + "".join(f"{c:>12}" for c in cells)
-
-
-def deliveries(batch: Batch) -> str:
-    """Deliveries per task the workers counted ("?" if a worker did not report)."""
-    n = len(batch.records)
-    return "?" if batch.received is None else f"{batch.received / n:.2f}"
-
-
-def header(name: str, columns: list[str]) -> None:
-    line = f"{name:<14}" + "".join(f"{c:>12}" for c in columns)
-    print(line)
-    print("-" * len(line))
-
-
-# -- the ideal ----------------------------------------------------------------------------------
-
-
-def ideal_schedule(
-    sent: list[float], keys: list[str], slots: int, limit: int, duration: float
-) -> list[float]:
-    """Start times under a work-conserving FIFO dispatcher (earliest-sent runnable task first)."""
-    n = len(sent)
-    order = sorted(range(n), key=lambda i: sent[i])
-    start = [0.0] * n
-    running: list[tuple[float, int]] = []  # (end, task)
-    per_key: Counter[str] = Counter()
-    pending: list[int] = []
-    now = 0.0
-    nxt = 0
-    while nxt < n or pending or running:
-        while nxt < n and sent[order[nxt]] <= now:
-            pending.append(order[nxt])
-            nxt += 1
-        started = True
-        while started and len(running) < slots:
-            started = False
-            for j, i in enumerate(pending):
-                if per_key[keys[i]] < limit:
-                    start[i] = now
-                    per_key[keys[i]] += 1
-                    heapq.heappush(running, (now + duration, i))
-                    del pending[j]
-                    started = True
-                    break
-        events = [running[0][0]] if running else []
-        if nxt < n:
-            events.append(sent[order[nxt]])
-        if not events:
-            break
-        now = min(events)
-        while running and running[0][0] <= now:
-            _, i = heapq.heappop(running)
-            per_key[keys[i]] -= 1
-    return start
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def part(batch: Batch, keys: set[str], received: int | None = None) -> Batch:
@@ -391,13 +284,6 @@ def limit_ceiling(versus: Versus, slots: int) -> float:
     return (max(free) + batch.body) / versus.ideal_makespan
 
 
-def print_cpu(guarded: list[Batch], plain: list[Batch]) -> None:
-    """The CPU a guarded and a plain task cost, where it was measured (:mod:`benchmarks.cpu`)."""
-    line = compare_line((b.cpu for b in guarded), (b.cpu for b in plain))
-    if line is not None:
-        print(line)
-
-
 def print_mixed_table(results: dict[str, list[Versus]]) -> None:
     columns = ["makespan", "ideal", "util", "p50 wait", "p99 wait", "ideal p50", "ideal p99"]
     columns += ["p99/ideal", "over", "re-pub/task", "deliv/task"]
@@ -419,53 +305,3 @@ SCENARIOS: dict[str, Callable[[Bench], bool]] = {
     "uncontended": uncontended,
     "mixed": mixed,
 }
-
-
-# -- running --------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def open_bench(server: BenchServer, broker: Broker, args: argparse.Namespace) -> Iterator[Bench]:
-    """A scenario's run: its own prefix, queue and app; everything of it deleted afterwards."""
-    prefix = unique_prefix()
-    client = redis.Redis.from_url(server.url)
-    app = make_app(server.url, prefix, args.limit, args.naive_countdown, args.settings, broker.url)
-    try:
-        yield Bench(app, client, server.url, broker, prefix, args)
-    finally:
-        if not broker.is_redis:
-            drop_queue(app, prefix)
-        app.close()
-        delete_prefix(client, prefix)
-        client.close()
-
-
-def run(args: argparse.Namespace) -> int:
-    """Every scenario in ``args.names`` on every broker in ``args.brokers``; 1 if one failed."""
-    with contextlib.suppress(AttributeError):
-        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    verdicts: list[str] = []
-    with bench_server() as server:
-        embedded = ", embedded" if server.embedded else ""
-        for name in args.brokers:
-            if name == "redis":
-                broker: Broker | str = Broker("redis", server.url, server.version + embedded)
-            else:
-                broker = amqp_broker(args.amqp_url)
-            if isinstance(broker, str):
-                print(f"\n[{name}] skipped: {broker}")
-                verdicts.append(f"{name}: skipped")
-                continue
-            for scenario in args.names:
-                print(f"\n== {scenario} [broker {broker.name}] ==")
-                print(host_line(broker, server.version + embedded))
-                try:
-                    with open_bench(server, broker, args) as bench:
-                        verdict = "MET" if SCENARIOS[scenario](bench) else "MISSED"
-                except Exception as exc:
-                    traceback.print_exc()
-                    verdict = f"FAILED ({exc})"
-                print(f"{scenario} [{broker.name}]: {verdict}")
-                verdicts.append(f"{scenario} [{broker.name}]: {verdict}")
-    print("\nsummary: " + "; ".join(verdicts))
-    return 1 if any("FAILED" in v for v in verdicts) else 0

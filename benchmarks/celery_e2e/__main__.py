@@ -1,0 +1,151 @@
+"""The Celery benchmark's command line (``python -m benchmarks.celery_e2e``): its options, and
+each scenario asked for run on each broker asked for. What it measures and how: the package's
+docstring (:mod:`benchmarks.celery_e2e`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import traceback
+
+from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, host_line
+from benchmarks._server import bench_server
+from benchmarks.celery_e2e import scenarios
+from benchmarks.celery_e2e.harness import open_bench
+
+HELP = """\
+End-to-end Celery benchmark: per-key limits through real prefork workers.
+
+scenarios (--scenario NAME[,NAME] or all), each on every broker of --brokers, phases side by side:
+  backlog      --backlog-tasks (1000) x 20 ms on ONE key, limit 2: unguarded on a dedicated
+               worker -c 2 (baseline), guarded on 1 worker -c 4 and on 2 workers -c 4, then the
+               burst again with --others (20) tasks for other keys sent after it. Targets: pace
+               vs baseline >= 0.9, re-publishes/task <= 0.1, no over-admission, others <= 1 s.
+  uncontended  --uncontended-tasks (600) x 10 ms over --uncontended-keys (300), 1 worker -c 4:
+               guarded throughput >= 0.95 x plain (median of --rounds, guarded and plain
+               batches in turns on the same worker).
+  mixed        the classic run with modes fair,plain (--rounds of each, in turns on the same
+               workers; medians): fair utilization >= 0.9 and >= 0.95 x plain's, p99 wait
+               <= 1.5 x ideal p99, no over-admission.
+without --scenario: the classic run of --modes (fair,naive,plain) on the Redis broker.
+--scale multiplies every task count (0.1 for a smoke run). RabbitMQ (--amqp-url) is skipped
+with a printed line when nothing answers there."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.celery_e2e",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="make bench-celery runs --scenario all; "
+        "make bench-celery BENCH_ARGS='--scale 0.1' runs a small smoke run of it",
+    )
+    parser.add_argument(
+        "--scenario",
+        metavar="NAME[,NAME]",
+        help=f"named scenarios: {', '.join(scenarios.SCENARIOS)} or all "
+        "(default: the classic run of --modes)",
+    )
+    parser.add_argument(
+        "--brokers",
+        metavar="redis,amqp",
+        help="brokers to run on (default: redis,amqp with --scenario, else redis)",
+    )
+    parser.add_argument("--amqp-url", default=AMQP_URL, help="RabbitMQ (default: %(default)s)")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every task count (0.1: a smoke run)"
+    )
+    group = parser.add_argument_group("classic run and the mixed scenario")
+    group.add_argument("--tasks", type=int, default=400)
+    group.add_argument("--keys", type=int, default=8)
+    group.add_argument("--limit", type=int, default=3)
+    group.add_argument("--workers", type=int, default=2)
+    group.add_argument("--concurrency", type=int, default=8)
+    group.add_argument("--duration", type=float, default=0.05, help="seconds per task body")
+    group.add_argument(
+        "--modes", help="fair,naive,plain (default: all three; the mixed scenario: fair,plain)"
+    )
+    group.add_argument("--naive-countdown", type=float, default=0.1)
+    group.add_argument("--seed", type=int, default=7)
+    scenarios.add_arguments(parser.add_argument_group("backlog and uncontended scenarios"))
+    parser.add_argument("--prefetch", type=int, default=4, help="worker prefetch multiplier")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="uncontended guarded tasks run first so every pool child is connected "
+        "(default: 4 per slot; 0: none)",
+    )
+    parser.add_argument(
+        "--pre-queue",
+        action="store_true",
+        help="send each batch while the workers do not consume, so that no sender shares the "
+        "CPUs with the batch (a diagnostic, not a scenario's setting)",
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase")
+    parser.add_argument(
+        "--dump", metavar="PATH", help="write each phase's records to PATH.BROKER.PHASE.json"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="a redsem_* setting for the workers",
+    )
+    args = parser.parse_args(argv)
+    args.settings = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+    if args.scenario in (None, "all"):
+        names = list(scenarios.SCENARIOS) if args.scenario else ["mixed"]
+    else:
+        names = args.scenario.split(",")
+    unknown = [n for n in names if n not in scenarios.SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario {', '.join(unknown)}")
+    args.names = names
+    args.modes = (args.modes or ("fair,plain" if args.scenario else "fair,naive,plain")).split(",")
+    args.brokers = (args.brokers or ("redis,amqp" if args.scenario else "redis")).split(",")
+    if set(args.brokers) - {"redis", "amqp"}:
+        parser.error("--brokers takes redis and/or amqp")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every scenario in ``args.names`` on every broker in ``args.brokers``; 1 if one failed."""
+    with contextlib.suppress(AttributeError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    verdicts: list[str] = []
+    with bench_server() as server:
+        embedded = ", embedded" if server.embedded else ""
+        for name in args.brokers:
+            if name == "redis":
+                broker: Broker | str = Broker("redis", server.url, server.version + embedded)
+            else:
+                broker = amqp_broker(args.amqp_url)
+            if isinstance(broker, str):
+                print(f"\n[{name}] skipped: {broker}")
+                verdicts.append(f"{name}: skipped")
+                continue
+            for scenario in args.names:
+                print(f"\n== {scenario} [broker {broker.name}] ==")
+                print(host_line(broker, server.version + embedded))
+                try:
+                    with open_bench(server, broker, args) as bench:
+                        verdict = "MET" if scenarios.SCENARIOS[scenario](bench) else "MISSED"
+                except Exception as exc:
+                    traceback.print_exc()
+                    verdict = f"FAILED ({exc})"
+                print(f"{scenario} [{broker.name}]: {verdict}")
+                verdicts.append(f"{scenario} [{broker.name}]: {verdict}")
+    print("\nsummary: " + "; ".join(verdicts))
+    return 1 if any("FAILED" in v for v in verdicts) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

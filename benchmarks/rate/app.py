@@ -1,0 +1,73 @@
+"""The rate benchmark's Celery app: both variants of the task, each start logged on the Redis
+server's clock. A worker builds its own from the environment the benchmark gives it, in
+:func:`worker_app` (see :mod:`benchmarks.rate.worker`); importing this module builds nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_redsem import contention_retries, with_rate_limit
+
+ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_RATE = (
+    "REDSEM_BENCH_APP_URL",
+    "REDSEM_BENCH_APP_BROKER",
+    "REDSEM_BENCH_APP_PREFIX",
+    "REDSEM_BENCH_APP_RATE",
+)
+
+
+def make_app(url: str, broker_url: str, prefix: str, rate: float) -> Celery:
+    """The benchmark's app: both variants of the task; starts logged on the server's clock.
+
+    Tasks go to the queue ``prefix`` (control messages to the exchange ``prefix``), so no other
+    run sees them; results and records stay on the Redis server ``url`` under ``prefix``.
+    """
+    app = Celery("bench_rate", set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url,
+        result_backend=url,
+        task_default_queue=prefix,
+        control_exchange=prefix,
+        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+        broker_connection_retry_on_startup=True,
+        redsem_key_prefix=prefix,
+        worker_hijack_root_logger=False,
+    )
+    if not broker_url.startswith("amqp"):
+        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
+    clients: dict[int, redis.Redis] = {}
+
+    def stamp(variant: str, key: str, n: int, request: Any) -> None:
+        client = clients.setdefault(os.getpid(), redis.Redis.from_url(url))
+        seconds, micros = client.time()
+        trips = contention_retries(request)  # contention retries through the broker
+        client.rpush(f"{prefix}:starts:{variant}:{key}", f"{seconds}.{micros:06d} {n} {trips}")
+
+    @app.task(shared=False, bind=True, name="bench.ours", max_retries=0)
+    @with_rate_limit(rate, key=lambda key: f"bench:{key}")
+    def ours(self: Any, key: str, n: int) -> None:
+        stamp("ours", key, n, self.request)
+
+    @app.task(shared=False, bind=True, name="bench.celery", max_retries=0, rate_limit=f"{rate}/s")
+    def celerys(self: Any, key: str, n: int) -> None:
+        stamp("celery", key, n, self.request)
+
+    return app
+
+
+def worker_environ(url: str, broker_url: str, prefix: str, rate: float) -> dict[str, str]:
+    """The environment variables that tell a worker how to build its app (:func:`worker_app`)."""
+    return {ENV_URL: url, ENV_BROKER: broker_url, ENV_PREFIX: prefix, ENV_RATE: str(rate)}
+
+
+def worker_app(environ: Mapping[str, str] | None = None) -> Celery:
+    """A worker's app, built from ``environ`` (default: this process's environment) as
+    :func:`worker_environ` wrote it (KeyError if a variable is missing)."""
+    env = os.environ if environ is None else environ
+    return make_app(env[ENV_URL], env[ENV_BROKER], env[ENV_PREFIX], float(env[ENV_RATE]))
