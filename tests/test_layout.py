@@ -236,3 +236,119 @@ def test_every_attempt_takes_exactly_the_attempt_options():
     assert _keyword_only(FairSemaphore.attempt) == options
     for variadic in (AsyncFairSemaphore.attempt, FairSemaphore.attempt_command):
         assert list(inspect.signature(variadic).parameters)[-1] == "options"
+
+
+# -- the integration wing, room by room ---------------------------------------------------------
+
+#: Celery's and kombu's private names, which only the seam may use.
+CELERY_PRIVATE = (
+    "_waiting",
+    "_process_task",
+    "_process_task_sem",
+    "_quick_release",
+    "_get_active_apps",
+    "connect_on_app_finalize",
+    "outbound_buffer",
+)
+SEAM = "celery_redsem.integration.seam"
+#: redis-py's private names, allowed in at most one module.
+REDIS_PRIVATE = ("_sock",)
+
+
+def names_used(name: str) -> set[str]:
+    """The identifiers module ``name`` uses in code (attributes, names, imported names, and
+    strings that are not docstrings)."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.alias):
+            found.update(node.name.split("."))
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
+            found.add(node.value)
+    return found
+
+
+def test_celery_and_kombu_private_names_are_used_in_the_seam_only():
+    users = {
+        name: sorted(names_used(name) & set(CELERY_PRIVATE))
+        for name in MODULES
+        if names_used(name) & set(CELERY_PRIVATE)
+    }
+    assert set(users) == {SEAM}, users
+    assert set(users[SEAM]) == set(CELERY_PRIVATE)  # (the scan sees them where they are)
+
+
+def test_redis_py_private_names_are_used_in_one_module_at_most():
+    users = [name for name in MODULES if names_used(name) & set(REDIS_PRIVATE)]
+    assert len(users) <= 1, users
+
+
+def longest_chain(graph: dict[str, set[str]], within: str) -> list[str]:
+    """The longest chain of imports among the modules of ``graph`` under ``within``."""
+    memo: dict[str, list[str]] = {}
+
+    def chain(node: str) -> list[str]:
+        if node not in memo:
+            below = [chain(n) for n in sorted(graph[node]) if n.startswith(within)]
+            memo[node] = [node, *max(below, key=len, default=[])]
+        return memo[node]
+
+    return max((chain(n) for n in graph if n.startswith(within)), key=len)
+
+
+def test_import_chains_are_short():
+    graph = {name: imports_of(name) for name in MODULES}
+    wing = longest_chain(graph, "celery_redsem.integration")
+    assert len(wing) <= 6, " -> ".join(wing)
+    package = longest_chain(graph, "celery_redsem")
+    assert len(package) <= 12, " -> ".join(package)
+
+
+def test_longest_chain_counts_modules():
+    graph = {"p.a": {"p.b"}, "p.b": {"p.c", "q.x"}, "p.c": set(), "q.x": set()}
+    assert longest_chain(graph, "p") == ["p.a", "p.b", "p.c"]
+
+
+def test_no_folder_of_the_integration_wing_holds_more_than_12_modules():
+    folders = {}
+    for path in (PACKAGE / "integration").rglob("*.py"):
+        folder = str(path.parent.relative_to(PACKAGE))
+        folders[folder] = folders.get(folder, 0) + 1
+    assert {f: n for f, n in folders.items() if n > 12} == {}
+    assert len(folders) >= 5  # (the rooms are there to be counted)
+
+
+def test_the_decorators_load_no_worker_side_module():
+    """A process that only imports tasks and sends them (a web process) loads the guards, not
+    admission or the worker's hooks: those load at worker_init."""
+    code = (
+        "import sys\n"
+        "import celery_redsem\n"
+        "from celery_redsem import with_lock, with_rate_limit, with_semaphore\n"
+        "with_lock(key='k')(lambda: None)\n"
+        "with_semaphore(2, key='k', dedupe=True)(lambda: None)\n"
+        "with_rate_limit('1/s', key='k')(lambda: None)\n"
+        "prefixes = ('celery_redsem.integration.admission', 'celery_redsem.integration.worker')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(prefixes)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

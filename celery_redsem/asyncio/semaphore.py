@@ -31,12 +31,7 @@ from celery_redsem.core.permits import (
     renewed,
 )
 from celery_redsem.core.scripts import ACQUIRE, REFRESH, RELEASE, STATE
-from celery_redsem.core.semaphore_spec import (
-    AttemptOptions,
-    CommonOptions,
-    SemaphoreSpec,
-    naming,
-)
+from celery_redsem.core.semaphore_spec import AttemptOptions, CommonOptions, SemaphoreSpec, naming
 from celery_redsem.core.state import state_from_reply
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it

@@ -42,6 +42,8 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from celery_redsem.core.connections import is_open
+
 __all__ = ["MIN_POOL_FOR_LANE", "PROBE_AFTER_IDLE", "Lane", "executor_for", "lane_of"]
 
 #: Seconds a lane may sit unused before its socket is probed ahead of the next call.
@@ -117,15 +119,14 @@ def _check_out(kept: redis.Redis, *, idle: bool) -> None:
     connection = kept.connection
     if connection is None:
         return
-    # (redis-py >= 5.1 spells this test ``is_connected``; 5.0 lacks it.)
-    if idle and getattr(connection, "_sock", None) is not None:
+    if idle and is_open(connection):
         try:
             stale = connection.can_read()
         except RedisConnectionError:  # it read the server's close (and closed its end)
             stale = True
         if stale:
             _disconnect(kept)
-    if getattr(connection, "_sock", None) is None:
+    if not is_open(connection):
         connection.connect()  # type: ignore[no-untyped-call]
 
 

@@ -16,6 +16,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import AskError, MovedError, NoScriptError
 
+from celery_redsem.core.connections import check_out
 from celery_redsem.core.errors import REDIS_ERRORS
 
 __all__ = ["UNREACHED", "relearn_layout", "run_on_nodes"]
@@ -101,13 +102,13 @@ def _send_and_read(
         pool = client.get_redis_connection(node).connection_pool
         connection = None
         try:
-            connection = pool.get_connection()
+            connection = check_out(pool)
             commands = [
                 ("EVALSHA", script.sha, len(calls[i][0]), *calls[i][0], *calls[i][1])
                 for i in node_calls
             ]
-            packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
-            connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
+            packed = connection.pack_commands(commands)
+            connection.send_packed_command(packed)
             sent.append((pool, connection, node_calls))
         except REDIS_ERRORS as exc:
             _discard(pool, connection)

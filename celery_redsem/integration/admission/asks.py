@@ -32,6 +32,7 @@ import redis
 from redis.exceptions import NoScriptError, ResponseError
 
 from celery_redsem.core.client import socket_timeout
+from celery_redsem.core.connections import check_out, socket_fileno
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 from celery_redsem.core.scripts import ACQUIRE, script_failed
 from celery_redsem.core.semaphore import FairSemaphore
@@ -145,10 +146,10 @@ class PipelinedAsks(Asks):
         if self._in_flight and time.monotonic() - self._in_flight[0].sent_at > self._deadline:
             self._break(TimeoutError(f"no reply from Redis within {self._deadline}s"))
         if self._connection is None:
-            connection: Any = self._pool.get_connection()
+            connection: Any = check_out(self._pool)
             try:
                 connection.connect()  # (a no-op if the pool handed it out connected)
-                fd = connection._sock.fileno()
+                fd = socket_fileno(connection)
             except BaseException:
                 self._pool.release(connection)
                 raise

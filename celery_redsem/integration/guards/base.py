@@ -39,6 +39,11 @@ class Guard:
     """
 
     kind: ClassVar[str]
+
+    def __init_subclass__(cls, *, kind: str, **options: Any) -> None:
+        super().__init_subclass__(**options)
+        cls.kind = kind
+
     #: What a run does when its key is busy (only a semaphore's can be other than "wait").
     on_busy: str = "wait"
     #: ``dedupe=`` (only a semaphore's can be set).
@@ -71,18 +76,9 @@ class Guard:
         """Call the function under this guard."""
         raise NotImplementedError
 
-    def release_by_id(
-        self,
-        app: Celery,
-        task_name: str,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        permit_id: str,
-        *,
-        task_id: str | None = None,
-    ) -> bool:
-        """Give up what the run ``permit_id`` holds of this guard, from the worker's main
-        process (its child is gone, or it was revoked); whether it held something."""
+    def release_run(self, task: Task[Any, Any], request: Any) -> bool:
+        """Give up what the run ``request`` holds of this guard, from the worker's main process
+        (its child is gone, or it was revoked); whether it held something."""
         return False
 
     def give_back_grant(

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
@@ -64,17 +64,17 @@ LEAD = 0.02
 _BURST = count_rule()
 
 
-class RateGuard(Guard):
-    """The rate, burst and key of one ``@with_rate_limit`` task function."""
-
-    kind: ClassVar[str] = "rate"
+class RateGuard(Guard, kind="rate"):
+    """The rate, burst and key of one ``@with_rate_limit`` task function: :meth:`run` calls it
+    once its limiter admits the run, and :meth:`wait_at_dispatch` books the start of a run that
+    admission parks in a worker's main process."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
         *,
-        rate: str | float,
         key: str | KeyFunction,
+        rate: str | float,
         burst: int = 1,
         max_wait: float | None = None,
     ) -> None:

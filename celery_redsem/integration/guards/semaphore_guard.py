@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
@@ -31,49 +31,30 @@ from celery.app.task import Context
 from celery.exceptions import Retry
 
 from celery_redsem.core.client import RedisClient, socket_timeout
-from celery_redsem.core.errors import (
-    AcquireTimeout,
-    BackendError,
-    ConfigurationError,
-    KeyFunctionError,
-)
+from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError
 from celery_redsem.core.heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import SECONDS, Rule
-from celery_redsem.integration.dedupe.run_mark import (
-    DEDUPE,
-    RunMark,
-    clear_quietly,
-    end_duplicate,
-    mark_of,
-)
+from celery_redsem.integration import wire
+from celery_redsem.integration.dedupe import run_mark
 from celery_redsem.integration.guards.base import Guard, guards_of
 from celery_redsem.integration.guards.contention import Contention
 from celery_redsem.integration.guards.endings import ON_BUSY, busy, skipped, try_once
-from celery_redsem.integration.guards.naming import KeyFunction, LimitFunction, LimitRule
+from celery_redsem.integration.guards.naming import LimitRule, call_arguments
 from celery_redsem.integration.guards.reentry import Entered, enter, held_by_caller, leave
 from celery_redsem.integration.line import release_quietly, server_ms
 from celery_redsem.integration.policy import hold_times
 from celery_redsem.integration.seam import active_apps
-from celery_redsem.integration.settings import (
-    LOST_LEASE_POLICY,
-    RedsemConfig,
-    get_client,
-    get_config,
-)
-from celery_redsem.integration.wire import (
-    has_grant,
-    read_wait,
-    take_grant,
-    take_standby,
-    tell_granted,
-)
+from celery_redsem.integration.settings import LOST_LEASE_POLICY, get_client, get_config
 from celery_redsem.metrics import metrics_on, record_grant, record_grant_at_end, record_timeout
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack
+
+    from celery_redsem.integration.guards.naming import KeyFunction, LimitFunction
+    from celery_redsem.integration.settings import RedsemConfig
 
 __all__ = ["GuardOptions", "SemaphoreGuard"]
 
@@ -105,15 +86,13 @@ class GuardOptions(TypedDict, total=False):
     dedupe: bool | str
 
 
-class SemaphoreGuard(Guard):
-    """The limit, key and options of one ``@with_semaphore`` (or ``@with_lock``) function."""
-
-    kind: ClassVar[str] = "permit"
+class SemaphoreGuard(Guard, kind="permit"):
+    """The limit, key and options of one ``@with_semaphore`` (or ``@with_lock``) function:
+    :meth:`run` calls it under a permit."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
-        *,
         limit: int | LimitFunction,
         key: str | KeyFunction,
         **options: Unpack[GuardOptions],
@@ -137,7 +116,7 @@ class SemaphoreGuard(Guard):
             LOST_LEASE_POLICY, lost_lease_policy, f"lost_lease_policy of {where}"
         )
         self.on_busy: str = ON_BUSY.check(on_busy, f"on_busy of {where}")
-        self.dedupe = DEDUPE.check(dedupe, f"dedupe of {where}")
+        self.dedupe = run_mark.DEDUPE.check(dedupe, f"dedupe of {where}")
 
     def __repr__(self) -> str:
         return f"<SemaphoreGuard {self.where} limit={self.limits!r} key={self.key!r}>"
@@ -246,7 +225,7 @@ class SemaphoreGuard(Guard):
         return result
 
     def _permit(
-        self, call: _Call, mark: RunMark | None, started: float
+        self, call: _Call, mark: run_mark.RunMark | None, started: float
     ) -> tuple[FairSemaphore, Permit | None, float | None]:
         """The semaphore and the run's permit (None: on_busy="skip" and the key is busy),
         and when the grant was confirmed if the main process handed it over. Whatever ends
@@ -284,8 +263,8 @@ class SemaphoreGuard(Guard):
             sem = self.semaphore(task.app, name, config, call.limit)
         except BackendError as exc:
             ask.retry_after_error(exc, started=started)
-        standby = take_standby(request)
-        handed = take_grant(request, sem.name, sem.keys.prefix, sem.lease)
+        standby = wire.take_standby(request)
+        handed = wire.take_grant(request, sem.name, sem.keys.prefix, sem.lease)
         if handed is not None and time.monotonic() - handed[1] <= sem.lease / 3:
             return sem, handed[0], handed[1]  # granted in the main process, moments ago
         # No grant, or one that waited for this child longer than the heartbeat would have
@@ -294,7 +273,7 @@ class SemaphoreGuard(Guard):
         if self.on_busy == "wait":
             granted = ask.permit_or_retry(sem)
             if standby:  # the main process held its acknowledgement back until now
-                tell_granted(str(request.id))
+                wire.tell_granted(str(request.id))
             return sem, granted, None
         try:
             permit = try_once(sem, permit_id_of(request))
@@ -322,7 +301,7 @@ class SemaphoreGuard(Guard):
             return
         request, task = call.request, call.task
         in_worker = request is not None and not request.is_eager and not request.called_directly
-        since_ms = read_wait(request).first_ms if in_worker and request is not None else 0
+        since_ms = wire.read_wait(request).first_ms if in_worker and request is not None else 0
         if since_ms > 0:
             waited = (server_ms(permit, 0) - since_ms) / 1000
         else:
@@ -371,61 +350,56 @@ class SemaphoreGuard(Guard):
             )
         return permit
 
-    def release_by_id(
-        self,
-        app: Celery,
-        task_name: str,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        permit_id: str,
-        *,
-        task_id: str | None = None,
-    ) -> bool:
-        """Give up whatever permit or place the task run ``permit_id`` has (main process, after
-        the child died, or for a revoked or expired task), and with ``dedupe``, the mark of
-        ``task_id`` (the run's task id)."""
+    def release_run(self, task: Task[Any, Any], request: Any) -> bool:
+        """Give up whatever permit or place the run ``request`` has (main process, after the
+        child died, or for a revoked or expired task), and with ``dedupe``, its mark."""
+        permit_id = permit_id_of(request)
+        args, kwargs = call_arguments(task, request.args), dict(request.kwargs or {})
         try:
-            name = self.name_for(task_name, args, kwargs)
-            limit = self.limit_for(task_name, args, kwargs)
-        except (KeyFunctionError, TypeError) as exc:
+            name, limit = self.name_and_limit(task.name, args, kwargs)
+        except (ConfigurationError, TypeError) as exc:  # (a bad key or limit function)
             logger.warning(
                 "celery_redsem: could not work out the semaphore of %s[%s] in the worker's main "
                 "process to release its permit (%s); if it held one, the permit frees when its "
                 "lease ends",
-                task_name,
+                task.name,
                 permit_id,
                 exc,
             )
             return False
-        if self.dedupe and task_id:
-            clear_quietly(mark_of(app, name), task_id)
-        return release_quietly(self.semaphore(app, name, limit=limit), permit_id) is True
+        if self.dedupe and request.id:
+            run_mark.clear_quietly(run_mark.mark_of(task.app, name), request.id)
+        return release_quietly(self.semaphore(task.app, name, limit=limit), permit_id) is True
 
     def give_back_grant(
         self, task: Task[Any, Any], request: Any, call: tuple[tuple[Any, ...], Mapping[str, Any]]
     ) -> bool:
         """Release a permit the worker's main process granted this run (see :class:`Guard`)."""
-        if not has_grant(request):
+        if not wire.has_grant(request):
             return False
         try:
             name, limit = self.name_and_limit(task.name, *call)
             sem = self.semaphore(task.app, name, limit=limit)
-        except (ConfigurationError, BackendError, KeyFunctionError, TypeError):
+        except (ConfigurationError, BackendError, TypeError):
             return False
-        handed = take_grant(request, sem.name, sem.keys.prefix, sem.lease)
+        handed = wire.take_grant(request, sem.name, sem.keys.prefix, sem.lease)
         if handed is not None:
             release_quietly(sem, handed[0])
         return handed is not None
 
-    def _run_mark(self, call: _Call) -> RunMark | None:
+    def _run_mark(self, call: _Call) -> run_mark.RunMark | None:
         """The dedupe mark this run keeps, if it has one (not for direct calls)."""
         request = call.request
         if not self.dedupe or request is None or request.called_directly or not request.id:
             return None
-        return RunMark(call.app, call.name, request.id, call.config)
+        return run_mark.RunMark(call.app, call.name, request.id, call.config)
 
     def _skip_busy(
-        self, call: _Call, mark: RunMark | None, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+        self,
+        call: _Call,
+        mark: run_mark.RunMark | None,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
     ) -> None:
         """End a run with on_busy="skip" whose key is busy (see :mod:`.busy`)."""
         if mark is not None:
@@ -441,7 +415,7 @@ class SemaphoreGuard(Guard):
         assert call.task is not None
         assert call.request is not None
         sem = self.semaphore(call.app, call.name, call.config, call.limit)
-        end_duplicate(call.task, call.request, sem, other, raise_it=self.dedupe == "raise")
+        run_mark.end_duplicate(call.task, call.request, sem, other, raise_it=self.dedupe == "raise")
 
 
 #: The semaphores of this process, by client, name and settings: one is built (and checks its

@@ -37,9 +37,7 @@ from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
 from celery_redsem.core.errors import RedsemError
-from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.integration.guards.base import guards_of
-from celery_redsem.integration.guards.naming import call_arguments
 
 __all__ = [
     "ReleasingRequest",
@@ -58,23 +56,13 @@ _CHILD_GONE = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
 def release_task(task: Task[Any, Any], request: Any) -> int:
     """Release every permit or place that the run ``request`` (a worker ``Request``) has for
     ``task``'s guards; how many."""
-    guards = guards_of(task)
     task_id = request.id
-    if not guards or not task_id:
+    if not task_id:
         return 0
-    permit_id = permit_id_of(request)
-    call_args = call_arguments(task, request.args)
     released = 0
-    for guard in guards:
+    for guard in guards_of(task):
         try:
-            released += guard.release_by_id(
-                task.app,
-                task.name,
-                call_args,
-                dict(request.kwargs or {}),
-                permit_id,
-                task_id=task_id,
-            )
+            released += guard.release_run(task, request)
         except RedsemError as exc:
             logger.warning("celery_redsem: could not release %s[%s]: %s", task.name, task_id, exc)
     if released:
