@@ -45,6 +45,7 @@ if _TYPE_CHECKING:
         with_semaphore,
     )
     from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
+    from celery_redsem.integration.settings import reset as reset_config
     from celery_redsem.integration.wire import contention_retries
 
 __version__ = "0.1.0"
@@ -58,17 +59,21 @@ _CELERY_NAMES = {
     "contention_retries": "celery_redsem.integration.wire",
     "current_permit": "celery_redsem.integration.guards.decorators",
     "install_dedupe": "celery_redsem.integration.dedupe.sender",
+    "reset_config": "celery_redsem.integration.settings",
     "with_lock": "celery_redsem.integration.guards.decorators",
     "with_rate_limit": "celery_redsem.integration.guards.decorators",
     "with_semaphore": "celery_redsem.integration.guards.decorators",
 }
+
+#: Names that differ from the name in their module.
+_ALIASES = {"reset_config": "reset"}
 
 
 def __getattr__(name: str) -> _Any:
     module = _CELERY_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'celery_redsem' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), _ALIASES.get(name, name))
     globals()[name] = value
     return value
 
@@ -108,6 +113,7 @@ __all__ = [
     "install_dedupe",
     "read_state",
     "refresh_permits",
+    "reset_config",
     "with_lock",
     "with_rate_limit",
     "with_semaphore",

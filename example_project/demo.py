@@ -292,7 +292,7 @@ def watch(app: Any, env: dict[str, str], t0: float, day: str, log_path: Path) ->
     """Show progress until everything is done; the seconds the purchases took."""
     from market import market_api, tasks
 
-    from celery_redsem.integration.settings import get_client, get_config
+    from celery_redsem import get_client, get_config
     from celery_redsem.ops.admin import states
 
     client = get_client(app)

@@ -352,3 +352,25 @@ def test_the_decorators_load_no_worker_side_module():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+MAP = ROOT / "tests" / "README.md"
+
+
+def test_the_tests_map_lists_every_module_and_only_test_files_that_exist():
+    rows = [
+        line.split("|")[1:3]
+        for line in MAP.read_text(encoding="utf-8").splitlines()
+        if line.startswith("| `")
+    ]
+    listed = {cell.strip().strip("`") for cell, _tests in rows}
+
+    def covered(name: str) -> bool:
+        return name in listed or any(
+            entry.endswith(".*") and name.startswith(entry[:-1]) for entry in listed
+        )
+
+    modules = {n for n in MODULES if MODULES[n].name != "__init__.py" or n == "celery_redsem"}
+    assert {name for name in modules if not covered(name)} == set()
+    named = {t.strip().strip("`") for _cell, tests in rows for t in tests.split(",")}
+    assert {t for t in named if not (ROOT / "tests" / t).exists()} == set()

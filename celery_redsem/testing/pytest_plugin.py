@@ -8,7 +8,7 @@ through the ``pytest11`` entry point; nothing starts unless a test uses a fixtur
   return yours; by default, a fresh app with an in-memory broker and result backend.
 * ``redsem_configure``: ``redsem_configure(app, **settings)`` points ``app``'s semaphores at
   the server under the test's prefix, sets any other ``app.conf`` settings given
-  (``task_always_eager=True``), and calls :func:`celery_redsem.integration.settings.reset`;
+  (``task_always_eager=True``), and calls :func:`celery_redsem.reset_config`;
   after the test the settings are restored and ``reset`` is called again.
 * ``redsem_app``: ``redsem_celery_app`` so configured.
 """

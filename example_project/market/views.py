@@ -9,7 +9,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from celery_redsem.integration.settings import get_client, get_config
+from celery_redsem import get_client, get_config
 from celery_redsem.ops.admin import state_to_dict, states
 
 from .tasks import buy_item

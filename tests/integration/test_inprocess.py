@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from celery import Celery
+from celery.app.task import Context
 from celery.signals import task_postrun, task_retry
 
 from celery_redsem import AcquireTimeout, KeyFunctionError, read_state
@@ -327,7 +328,8 @@ def test_a_release_whose_key_function_fails_is_logged_as_a_warning(
     # permit; if it cannot, the permit stays held until its lease ends, which the log says.
     (guard,) = guards_of(app.tasks["t.bad_key"])
     with caplog.at_level(logging.WARNING, logger="celery_redsem"):
-        assert guard.release_by_id(app, "t.bad_key", ("raise",), {}, "run-1") is False
+        request = Context({"id": "run-1", "args": ["raise"], "kwargs": {}})
+        assert guard.release_run(app.tasks["t.bad_key"], request) is False
     (record,) = [r for r in caplog.records if "run-1" in r.getMessage()]
     assert record.levelno == logging.WARNING
     assert "key function exploded" in record.getMessage()

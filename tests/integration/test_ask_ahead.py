@@ -30,7 +30,7 @@ from celery_redsem.integration.admission.prefetch import (
 )
 from celery_redsem.integration.seam import SlotQueue, unwritten_tasks
 from tests.integration.conftest import WorkerProcess, holder
-from tests.integration.test_asking import run_until
+from tests.integration.test_asks import run_until
 from tests.servers import wait_until
 
 # -- the parked line's indexes ------------------------------------------------------------------

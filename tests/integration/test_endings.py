@@ -1,5 +1,5 @@
 """on_busy="skip"/"fail", dedupe at send time and limits per key (issue 21), on an in-process
-worker (threads pool) and in eager mode; tests/integration/test_busy_workers.py has prefork
+worker (threads pool) and in eager mode; tests/integration/test_endings_workers.py has prefork
 workers."""
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def test_eager_dedupe_runs_and_clears(app: Celery, counter: redis.Redis) -> None
 def test_a_limit_per_key_is_reached_and_never_exceeded(
     app: Celery, worker: object, counter: redis.Redis
 ) -> None:
-    # Four threads (conftest's worker): one account at a time; test_busy_workers has both.
+    # Four threads (conftest's worker): one account at a time; test_endings_workers has both.
     for account, limit in (("small", 2), ("big", 4)):
         burst = [app.tasks["b.plan"].delay(account) for _ in range(8)]
         assert [r.get(timeout=60) for r in burst] == ["ran"] * 8
