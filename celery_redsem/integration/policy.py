@@ -9,8 +9,10 @@ a permit after about ``position * hold / limit`` seconds (each release moves the
   permit is a couple of holds away it is cheaper to wait for it in the slot, woken by the
   release. A task waits when it is within the next two rounds of permits
   (``position <= 2 * limit``) and its expected wait is within ``redsem_head_wait``; it gives up
-  after twice its expected wait. Until a hold time has been seen, only a task within the next
-  round (``position <= limit``) waits, for at most ``redsem_head_wait``.
+  after twice its expected wait, or one and a half holds for each round of permits ahead of
+  it if that is longer (holders that started together end together). Until a hold time has
+  been seen, only a task within the next round (``position <= limit``) waits, for at most
+  ``redsem_head_wait``.
 * **The countdown** (:func:`contention_countdown`). Otherwise the task is retried with a
   countdown: the time until about ``position - limit`` holders have left, a little early; until
   a hold time has been seen, Celery's own exponential backoff (``get_exponential_backoff_interval``,
@@ -142,7 +144,10 @@ def head_wait_budget(
     expected = position * hold_estimate / limit
     if expected > head_wait:
         return 0.0
-    return min(head_wait, max(2 * expected, MIN_HEAD_WAIT))
+    # Holders that started together end together: the turn may come a whole hold per round
+    # of permits later than the steady pace says.
+    waves = math.ceil(position / limit) * hold_estimate
+    return min(head_wait, max(2 * expected, 1.5 * waves, MIN_HEAD_WAIT))
 
 
 #: Bounds on how long a parked task waits before it asks again (the upper one while no hold

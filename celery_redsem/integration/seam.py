@@ -7,7 +7,8 @@ API. All of it is here, with what it is used for; nothing else in the package na
 Celery / kombu                                 used for
 =============================================  ===============================================
 ``WorkController._process_task``               admission's hook: replaced on the worker
-``WorkController._process_task_sem``           tells a pool that gates dispatch by its slots
+``WorkController._process_task_sem``           tells a pool that gates dispatch by its slots;
+                                               made the threads pool's dispatch (see below)
 kombu ``LaxBoundedSemaphore._waiting``         the slot queue: put first, remove, claim a slot
 ``WorkController._quick_release``              a slot's release (Celery binds it at start)
 prefork ``AsynPool.outbound_buffer``           tasks handed to the pool, not yet written
@@ -27,16 +28,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import Any
+from typing import Any, Protocol
 
 from celery import Celery, bootsteps
 from celery import _state as celery_state
+from celery.concurrency.thread import TaskPool as ThreadsPool
 from celery.worker import state as worker_state
 
 __all__ = [
     "SlotQueue",
+    "Slots",
     "active_apps",
     "hook_dispatch",
+    "in_loop",
     "live_request",
     "live_requests",
     "on_app_finalize",
@@ -101,11 +105,52 @@ def unwritten_tasks(controller: Any) -> bool:
 # -- dispatch --------------------------------------------------------------------------------------
 
 
-def hook_dispatch(controller: Any, hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+class Slots(Protocol):
+    """A worker's pool slots as admission uses them (:class:`SlotQueue`, and the green pools'
+    :class:`~celery_redsem.integration.admission.green.GreenSlots`)."""
+
+    @property
+    def gated_here(self) -> bool: ...
+    @property
+    def free(self) -> int: ...
+    def take(self, req: Any) -> None: ...
+    def give_back(self) -> None: ...
+    def give_back_at_end(self, req: Any) -> None: ...
+    def __bool__(self) -> bool: ...
+    def request_at(self, index: int) -> Any: ...
+    def first(self, count: int) -> Iterator[Any]: ...
+    def queued_ids(self) -> set[int]: ...
+    def put_first(self, req: Any, *, behind: int = 0) -> None: ...
+    def remove(self, req: Any) -> bool: ...
+    def start_first(self) -> None: ...
+    def defer_releases(self, controller: Any, hub: Any, while_: Callable[[], bool]) -> None: ...
+
+
+def hook_dispatch(
+    controller: Any,
+    hook: Callable[[Any], Any],
+    slots: Slots | None,
+    gate: Callable[[Any], Any] | None = None,
+) -> Callable[[Any], Any]:
     """Have the worker call ``hook(req)`` where it would hand ``req`` to its pool (with a slot
-    taken, on a pool with slots); returns the worker's own hand-over, for the hook to call."""
-    dispatch: Callable[[Any], Any] = controller._process_task
+    of ``slots`` taken, if given); returns the worker's own hand-over, for the hook to call.
+
+    Where the pool does not dispatch by the slots itself (threads: Celery makes the slot
+    semaphore and leaves it unused; gevent, eventlet: none), the worker's consumer hands each
+    task to ``gate`` (default: the worker's own ``_process_task_sem``), which takes a slot
+    first, and a task handed over gives its slot back when it ends. (Called before the
+    worker's consumer is made, which takes the worker's ``process_task``.)
+    """
+    hand_over: Callable[[Any], Any] = controller._process_task
     controller._process_task = hook
+    if slots is None or not slots.gated_here:
+        return hand_over
+    controller.process_task = gate or controller._process_task_sem
+
+    def dispatch(req: Any) -> Any:
+        slots.give_back_at_end(req)
+        return hand_over(req)
+
     return dispatch
 
 
@@ -117,10 +162,46 @@ class SlotQueue:
     for a slot, for the requests it queued with ``process_task`` (its hook).
     """
 
-    def __init__(self, semaphore: Any, process_task: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        semaphore: Any,
+        process_task: Callable[[Any], Any],
+        *,
+        gated_here: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self._semaphore = semaphore
         self._waiting: deque[Entry] = semaphore._waiting
         self._process_task = process_task
+        #: Where the pool does not give a slot back itself: how a task's end, in a pool
+        #: thread, gets back to the event loop (the loop's ``call_soon``), else None.
+        self._call_in_loop = gated_here
+
+    @property
+    def gated_here(self) -> bool:
+        """Whether the worker dispatches by these slots for admission (the pool does not)."""
+        return self._call_in_loop is not None
+
+    def give_back_at_end(self, req: Any) -> None:
+        """Give ``req``'s slot back when its run ends (its pool does not: see
+        :func:`hook_dispatch`), in the event loop."""
+        call_in_loop = self._call_in_loop
+        assert call_in_loop is not None
+        ended = False
+
+        def wrap(callback: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                nonlocal ended
+                try:
+                    return callback(*args, **kwargs)
+                finally:
+                    if not ended:
+                        ended = True
+                        call_in_loop(self.give_back)
+
+            return wrapped
+
+        req.on_success = wrap(req.on_success)
+        req.on_failure = wrap(req.on_failure)
 
     @property
     def free(self) -> int:
@@ -197,19 +278,37 @@ class SlotQueue:
 
 
 def slot_queue(controller: Any, process_task: Callable[[Any], Any]) -> SlotQueue | None:
-    """The worker's slots, if its pool dispatches by them (prefork), else None."""
+    """The worker's slots, if its pool dispatches by them (prefork) or can be made to (threads,
+    with an event loop), else None."""
     semaphore = getattr(controller, "semaphore", None)
-    uses_it = getattr(controller, "process_task", None) == getattr(
-        controller, "_process_task_sem", object()
-    )
     if (
         semaphore is None
-        or not uses_it
         or not isinstance(getattr(semaphore, "_waiting", None), deque)
         or getattr(controller, "timer", None) is None
     ):
         return None
-    return SlotQueue(semaphore, process_task)
+    if getattr(controller, "process_task", None) == getattr(
+        controller, "_process_task_sem", object()
+    ):
+        return SlotQueue(semaphore, process_task)
+    hub = getattr(controller, "hub", None)
+    if hub is not None and isinstance(getattr(controller, "pool", None), ThreadsPool):
+        return SlotQueue(semaphore, process_task, gated_here=hub.call_soon)
+    return None
+
+
+def in_loop(controller: Any, slots: Slots | None) -> Callable[[Callable[[], None]], None]:
+    """How to run a task's end callback's work in the worker's event loop: at once where the
+    pool calls back in the loop (prefork), through the loop's ``call_soon`` where it calls back
+    in its own threads (threads)."""
+    if slots is not None and slots.gated_here:
+        hub_call_soon: Callable[[Callable[[], None]], None] = controller.hub.call_soon
+        return hub_call_soon
+    return _call_now
+
+
+def _call_now(fn: Callable[[], None]) -> None:
+    fn()
 
 
 # -- the probe -------------------------------------------------------------------------------------

@@ -79,11 +79,20 @@ def app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
 
 @pytest.fixture(scope="module")
 def worker(app: Celery) -> Iterator[object]:
-    """An in-process worker (threads pool, 4 slots) consuming the test app's queue."""
-    with start_worker(
-        app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30
-    ) as w:
-        yield w
+    """An in-process worker (threads pool, 4 slots) consuming the test app's queue, without
+    admission: it tests what a pool child does itself (asking, waiting in its slot, retrying
+    through the broker), as on any worker where admission does not decide. Admission on every
+    pool is tested through real workers (test_admission, test_pools)."""
+    app.conf.redsem_worker_admission = False
+    reset(app)
+    try:
+        with start_worker(
+            app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30
+        ) as w:
+            yield w
+    finally:
+        app.conf.redsem_worker_admission = True
+        reset(app)
 
 
 @pytest.fixture
@@ -121,6 +130,7 @@ class WorkerProcess:
         conf: dict[str, object] | None = None,
         app_module: str = "tests.integration.apps.worker_app",
         env: dict[str, str] | None = None,
+        pool: str = "prefork",
     ) -> None:
         env = {
             **os.environ,
@@ -141,7 +151,7 @@ class WorkerProcess:
                 app_module,
                 "worker",
                 "-P",
-                "prefork",
+                pool,
                 "-c",
                 str(concurrency),
                 "-n",
@@ -248,13 +258,14 @@ def running_workers(
     concurrency: int,
     *extra: str,
     app_module: str = "tests.integration.apps.worker_app",
+    pool: str = "prefork",
     **conf: object,
 ) -> Iterator[list[WorkerProcess]]:
-    """Prefork worker subprocesses named ``names``, ready; stopped (logs shown if asked) after.
+    """Worker subprocesses named ``names``, ready; stopped (logs shown if asked) after.
 
     ``extra`` are more ``celery worker`` arguments (``"-Q", "queue"``), ``app_module`` the app
-    they run, ``conf`` app settings. ``REDSEM_TEST_SHOW_WORKER_LOGS=1`` prints their logs when
-    they stop.
+    they run, ``pool`` their pool (``-P``), ``conf`` app settings.
+    ``REDSEM_TEST_SHOW_WORKER_LOGS=1`` prints their logs when they stop.
     """
     procs = [
         WorkerProcess(
@@ -266,6 +277,7 @@ def running_workers(
             *extra,
             conf=conf,
             app_module=app_module,
+            pool=pool,
         )
         for name in names
     ]

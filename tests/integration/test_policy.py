@@ -77,7 +77,8 @@ def test_after_a_redis_error_it_is_celerys_capped_exponential_backoff() -> None:
 @pytest.mark.parametrize(
     ("position", "hold", "expected"),
     [
-        (1, 0.06, 0.05),  # next release in ~20 ms: the shortest wait worth trying
+        (1, 0.06, 0.09),  # next release in ~20 ms, or a whole hold if the holders began together
+        (1, 0.01, 0.05),  # the shortest wait worth trying
         (3, 0.06, 0.12),  # twice the expected 60 ms
         (6, 0.06, 0.24),  # two rounds of permits away: still waits
         (7, 0.06, 0.0),  # further back: retried

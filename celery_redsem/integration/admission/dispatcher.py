@@ -38,6 +38,7 @@ from celery_redsem.integration import seam
 from celery_redsem.integration.admission.ask_ahead import HELD_WAITING_FRESH, AskAhead
 from celery_redsem.integration.admission.asks import Asks, WaitingAsks, asks_for
 from celery_redsem.integration.admission.gate import Gate
+from celery_redsem.integration.admission.green import wire_green
 from celery_redsem.integration.admission.live_runs import LiveRuns
 from celery_redsem.integration.admission.parking import Parked, ParkingLot, received_at
 from celery_redsem.integration.admission.stages import (
@@ -59,6 +60,7 @@ from celery_redsem.integration.policy import (
     longest_park,
     park_time,
 )
+from celery_redsem.integration.seam import Slots
 from celery_redsem.integration.settings import get_client, get_config
 from celery_redsem.integration.wire import (
     clear_dispatch_fields,
@@ -80,18 +82,26 @@ class Admission:
     def __init__(self, controller: Any, app: Celery) -> None:
         self.controller = controller
         self.app = app
-        self._dispatch = seam.hook_dispatch(controller, self.process_task)
-        self.slots = seam.slot_queue(controller, self.process_task)
-        self.ahead: AskAhead[Candidate] = AskAhead(self._ask_ahead, self._drop_ahead)
         hub = getattr(controller, "hub", None)
+        green = wire_green(controller, self.process_task)  # gevent, eventlet
+        self.slots: Slots | None
+        if green is not None:
+            self.slots, self._dispatch, in_loop, timer = green
+        else:  # prefork, threads: the worker's event loop (none: solo)
+            self.slots = seam.slot_queue(controller, self.process_task)
+            self._dispatch = seam.hook_dispatch(controller, self.process_task, self.slots)
+            in_loop, timer = seam.in_loop(controller, self.slots), None
+        self.ahead: AskAhead[Candidate] = AskAhead(self._ask_ahead, self._drop_ahead)
         self.lot = (
             None
             if self.slots is None
-            else ParkingLot(controller, self.slots, self.ahead.ask_now, hub)
+            else ParkingLot(controller, self.slots, self.ahead.ask_now, hub, timer)
         )
-        self.runs = LiveRuns(on_end=self._wake_one)  # runs asked for or handed over here
+        self.runs = LiveRuns(self._wake_one, in_loop)  # runs asked for or handed over here
         self.standbys = Standbys()
-        self.notices = GrantNotices()
+        # (a standby's acknowledgement waits for its grant only where an event loop reads the
+        # notices: prefork, threads)
+        self.notices = GrantNotices() if hub is not None else None
         self._asks: Asks | None = None
         self.gate = Gate()  # which tasks admission decides for; its pause after an error
 
@@ -260,7 +270,7 @@ class Admission:
                 return WaitingAsks()
             hub = getattr(self.controller, "hub", None)
             self._asks = asks_for(hub, client)
-            if hub is not None and self.slots is not None:
+            if hub is not None and isinstance(self.slots, seam.SlotQueue):
                 writes = partial(seam.unwritten_tasks, self.controller)
                 self.ahead.install(hub, self.slots, writes)
         return self._asks
@@ -442,16 +452,18 @@ class Admission:
         candidate.stage = Stage.DONE
         mark_standby(req.request_dict)
         hub = getattr(self.controller, "hub", None)
-        if hub is not None and not req.task.acks_late and hasattr(req, "redsem_hold_ack"):
+        notices = self.notices
+        if notices is not None and not req.task.acks_late and hasattr(req, "redsem_hold_ack"):
             req.redsem_hold_ack()  # acknowledged when its child gets the permit
-            self.notices.expect(hub, req)
+            notices.expect(hub, req)
         self.runs.handed(req, name, learn=False, then=partial(self._standby_ended, req))
         self._dispatch(req)
         return True
 
     def _standby_ended(self, req: Any) -> None:
         """A standby's run ended: acknowledge it if its child never told of a grant."""
-        self.notices.done(req)
+        if self.notices is not None:
+            self.notices.done(req)
         if hasattr(req, "redsem_ack"):
             req.redsem_ack()
 

@@ -28,8 +28,15 @@ class LiveRuns:
     ends, whichever way it ends.
     """
 
-    def __init__(self, on_end: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        on_end: Callable[[str, str], None],
+        in_loop: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self._on_end = on_end
+        #: How a run's end (reported by the pool, maybe in a thread of its own) gets to the
+        #: worker's event loop, where everything here runs (None: it is there already).
+        self._in_loop = in_loop
         self._asking: dict[str, list[Any]] = {}  # asks in flight
         self._handed: dict[str, list[Any]] = {}  # handed to the pool with a grant, not ended
 
@@ -95,7 +102,10 @@ class LiveRuns:
                 try:
                     return callback(*args, **kwargs)
                 finally:
-                    finished()
+                    if self._in_loop is None:
+                        finished()
+                    else:
+                        self._in_loop(finished)
 
             return wrapped
 

@@ -25,7 +25,7 @@ from typing import Any
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.integration.admission.prefetch import widen_for_parked, window_step
 from celery_redsem.integration.policy import MAX_PARK
-from celery_redsem.integration.seam import SlotQueue, worker_stopping
+from celery_redsem.integration.seam import Slots, worker_stopping
 from celery_redsem.metrics import record_park, record_unpark
 
 __all__ = ["Parked", "ParkedTasks", "ParkingLot", "received_at"]
@@ -159,18 +159,25 @@ class ParkingLot:
     """Parks requests in one worker: each gives its pool slot back, then asks again first in
     the slot queue, on its timer or when woken.
 
-    ``slots`` are the worker's (:class:`~celery_redsem.integration.seam.SlotQueue`);
+    ``slots`` are the worker's (:class:`~celery_redsem.integration.seam.Slots`);
     ``ask_first(req)``, if given, asks for a resuming task's permit while a slot is free,
     without taking the slot (False: nothing was asked, the task takes the slot and is asked
-    for there).
+    for there). ``timer`` (default: the worker's) runs a parked task's resumption in the
+    event loop.
     """
 
     def __init__(
-        self, controller: Any, slots: SlotQueue, ask_first: Any = None, hub: Any = None
+        self,
+        controller: Any,
+        slots: Slots,
+        ask_first: Any = None,
+        hub: Any = None,
+        timer: Any = None,
     ) -> None:
         self.controller = controller
         self.tasks = ParkedTasks()
         self.slots = slots
+        self.timer = controller.timer if timer is None else timer
         self._ask_first = ask_first
         if hub is not None:
             slots.defer_releases(controller, hub, lambda: len(self.tasks) > 0)
@@ -191,7 +198,7 @@ class ParkingLot:
         widen_for_parked(parked.qos, 1, window_step(parked.connection))
         self.tasks.add(parked)
         record_park(getattr(parked.req, "name", None))
-        parked.timer = controller.timer.call_after(seconds, self.resume, (parked.req,), priority=6)
+        parked.timer = self.timer.call_after(seconds, self.resume, (parked.req,), priority=6)
         if slot_taken:
             self.slots.give_back()
 
@@ -247,5 +254,5 @@ class ParkingLot:
     def wake(self, parked: Parked) -> None:
         """Resume ``parked`` now, before its timer."""
         with suppress(Exception):
-            self.controller.timer.cancel(parked.timer)
+            self.timer.cancel(parked.timer)
         self.resume(parked.req)

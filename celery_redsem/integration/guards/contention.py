@@ -63,16 +63,18 @@ class Contention:
     max_wait: float | None
     config: RedsemConfig
 
-    def permit_or_retry(self, sem: FairSemaphore) -> Permit:
-        """A permit of ``sem``; raises Celery's ``Retry`` (or fails) when none can be had."""
+    def permit_or_retry(self, sem: FairSemaphore, *, standby: bool = False) -> Permit:
+        """A permit of ``sem``; raises Celery's ``Retry`` (or fails) when none can be had.
+        A ``standby`` (sent to its slot by admission to wait for the next release) waits up to
+        ``redsem_head_wait`` for it, whatever its estimate says."""
         wait = read_wait(self.request)
         started = time.monotonic()
         try:
-            return self._attempt_or_wait(sem, wait)
+            return self._attempt_or_wait(sem, wait, standby)
         except BackendError as exc:
             self.retry_after_error(exc, started=started)
 
-    def _attempt_or_wait(self, sem: FairSemaphore, wait: WaitState) -> Permit:
+    def _attempt_or_wait(self, sem: FairSemaphore, wait: WaitState, standby: bool) -> Permit:
         """Ask once; wait in the slot if the permit is near, else re-publish with a countdown."""
         task, request, config = self.task, self.request, self.config
         permit_id = permit_id_of(request)  # this run's: see run_permit_id
@@ -98,6 +100,8 @@ class Contention:
             hold_estimate=hold,
             head_wait=config.head_wait,
         )
+        if standby and result.position <= sem.limit:
+            budget = config.head_wait
         if max_wait is not None:
             budget = min(budget, max_wait - waited)
         if budget > 0:

@@ -271,7 +271,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         # let it (a child slow to start): its lease may have run out and the permit gone to
         # another task. Asking again under the task id renews it if it is still held.
         if self.on_busy == "wait":
-            granted = ask.permit_or_retry(sem)
+            granted = ask.permit_or_retry(sem, standby=standby)
             if standby:  # the main process held its acknowledgement back until now
                 wire.tell_granted(str(request.id))
             return sem, granted, None

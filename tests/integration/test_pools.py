@@ -1,0 +1,56 @@
+"""Admission on every pool a Celery user runs: a burst on one key through a real ``celery
+worker -P <pool>`` is parked in the worker (no trip through the broker), held to its limit,
+and tasks of other keys sent after it are not held behind it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from tests.integration.conftest import running_workers
+
+#: The pools admission serves, with the concurrency each is run at here.
+POOLS = {"prefork": 8, "threads": 8, "gevent": 20, "eventlet": 20}
+
+
+def _starts(app: Celery, key: str) -> list[str]:
+    """The ``start <id>`` events of the bodies for ``key``, in order."""
+    client = redis.Redis.from_url(app.conf.broker_url)
+    try:
+        entries = client.lrange(f"{app.conf.redsem_key_prefix}:t:log:{key}", 0, -1)
+    finally:
+        client.close()
+    return [e.decode().split(" ", 1)[1] for e in entries if e.startswith(b"start ")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_a_burst_is_parked_within_its_limit_and_other_keys_pass_it(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, pool: str
+) -> None:
+    # 60 tasks of 0.1 s on one key (limit 3: 2 s at the least) on a worker with more slots
+    # than the limit, then one task on each of 4 other keys: the burst waits parked in the
+    # worker, not in pool slots and not through the broker, and the others pass it.
+    queue = f"pool-{pool}-{key}"
+    with running_workers(
+        redis_url, module_prefix, tmp_path, [pool], POOLS[pool], "-Q", queue, pool=pool
+    ):
+        burst = [app.tasks["t.counted"].apply_async((key, 0.1), queue=queue) for _ in range(60)]
+        others = [
+            app.tasks["t.counted"].apply_async((f"{key}-other{i}", 0.1), queue=queue)
+            for i in range(4)
+        ]
+        assert all(result.get(timeout=30)["contention_retries"] == 0 for result in others)
+        assert sum(not result.ready() for result in burst) >= 20  # passed, not waited behind
+        outs = [result.get(timeout=90) for result in burst]
+    assert all(out["contention_retries"] == 0 and out["retries"] == 0 for out in outs)
+    counter = redis.Redis.from_url(app.conf.broker_url)
+    prefix = app.conf.redsem_key_prefix
+    assert 1 <= int(counter.get(f"{prefix}:t:max:{key}") or 0) <= 3
+    assert int(counter.get(f"{prefix}:t:cur:{key}") or 0) == 0
+    counter.close()
+    started = _starts(app, key)
+    assert sorted(started) == sorted(r.id for r in burst)  # each ran once
