@@ -4,6 +4,7 @@ connections to it open, requests are sent, and no reply ever comes (a black hole
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import pytest
 import redis
 
 from celery_redsem import Lock, Permit
@@ -94,3 +96,45 @@ def test_the_holder_on_a_hung_server_is_told_within_about_a_lease(prefix: str) -
         finally:
             heartbeat.stop()
             client.close()
+
+
+def test_refreshes_refused_at_once_back_off_instead_of_spinning(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A server out of memory refuses every refresh at once (OOM): the heartbeat waits 50 ms,
+    # then doubles (up to a sixth of the lease) instead of calling again on every beat.
+    heartbeat = Heartbeat()
+    with server_process(tag="oom") as server:
+        client = server.client()
+        held = HeldPermit(_granted(Lock(client, "oom", lease=6.0, prefix=prefix)), client)
+        client.config_set("maxmemory", 1)
+        try:
+            with caplog.at_level(logging.WARNING, logger="celery_redsem.core.heartbeat"):
+                tracked = time.monotonic()
+                heartbeat.track(held)
+
+                def failures() -> int:
+                    messages = [r.getMessage() for r in caplog.records]
+                    return sum("refreshing 1 permit(s) failed" in m for m in messages)
+
+                wait_until(lambda: failures() >= 5, 10, what="five failed refreshes")
+                took = time.monotonic() - tracked
+                assert "maxmemory" in caplog.text  # (refused at once: out of memory)
+            # Due a third of a lease after the grant (less the scheduler's slack of a sixth),
+            # then 50, 100, 200 and 400 ms apart.
+            assert took >= 6.0 / 3 - 6.0 / 6 + 0.05 + 0.1 + 0.2 + 0.4 - 0.05, took
+            assert failures() <= 7  # (the two beats that may log while this test looks)
+        finally:
+            heartbeat.stop()
+            client.config_set("maxmemory", 0)
+            client.close()
+
+
+def test_the_back_off_stays_at_its_cap_after_any_number_of_failures() -> None:
+    permit = Permit("p", "n", 1, 0, 6.0)
+    held = HeldPermit(permit, redis.Redis(), clock=lambda: 100.0)
+    held._failures = 5000  # (2 ** 5000 x 50 ms would overflow a float)
+    held._failed(100.0)
+    assert held._next_due == pytest.approx(100.0 + 6.0 / 6)
+    assert held._due(100.5, slack=1.0) is False  # a retry is not pulled forward by the slack
+    assert held._due(101.0, slack=1.0) is True

@@ -20,13 +20,23 @@ that is due (or nearly due) into one :func:`~celery_redsem.refresh_permits` call
   its last confirmation is declared lost then, not when (or if) the call returns.
 * **Fork-safe.** A forked child starts with no heartbeat and no tracked permits; it makes its
   own threads on its first permit.
+* **OS threads, also among greenlets.** Under gevent or eventlet (``-P gevent``,
+  ``-P eventlet``) the threads are OS threads and refresh on a client of their own with the
+  OS's sockets (:mod:`~celery_redsem.core.native`,
+  :func:`~celery_redsem.core.connections.native_twin`), so a body that computes without
+  yielding for longer than a lease keeps its permit; what they log and report goes through
+  the main thread's hub. (A client that has no such twin, a cluster, Sentinel or TLS one, is
+  refreshed from a greenlet.)
+* **Back-off on errors.** A refresh that fails is tried again after 50 ms, doubling up to a
+  sixth of the lease; a permit waiting for that retry is not refreshed sooner with the others.
 
 On a loss the permit's ``lost_lease_policy`` applies: ``"log"`` logs an error; ``"raise"``
 also raises :class:`LeaseInterrupt` (a :class:`~celery_redsem.PermitLost`) asynchronously in
-the thread running the task body, via ``PyThreadState_SetAsyncExc``. Like Celery's soft time
-limit it arrives at the next Python bytecode, so a body blocked in a long C call (a socket
-read, ``time.sleep``) sees it when that call returns. The body can also poll
-:meth:`HeldPermit.check`. Greenlet pools (gevent/eventlet) get the flag, not the exception.
+the thread running the task body, via ``PyThreadState_SetAsyncExc``: it arrives at the next
+Python bytecode, so a body blocked in a long C call (a socket read, ``time.sleep``) sees it
+when that call returns. In a greenlet (gevent, eventlet) it is thrown into the body's
+greenlet at its next yield: at once if it waits on I/O or sleeps. The body can also poll
+:meth:`HeldPermit.check`.
 """
 
 from __future__ import annotations
@@ -38,16 +48,18 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar, overload
 
+from celery_redsem.core import native
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
+from celery_redsem.core.connections import native_twin
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, PermitLost
 from celery_redsem.core.lease_events import notify_loss
 from celery_redsem.core.permits import Permit
 from celery_redsem.core.refresh import refresh_permits
+from celery_redsem.core.refreshers import Refreshers
 
 __all__ = ["MAX_REFRESHERS", "Heartbeat", "HeldPermit", "LeaseInterrupt", "get_heartbeat"]
 
@@ -55,10 +67,10 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT = 30.0
 _FIRST_RETRY = 0.05
+_MAX_DOUBLINGS = 30  # (2 ** 30 x 50 ms is far past any lease: the cap applies long before)
 #: The most refresher threads a heartbeat runs: up to this many clients can hang at once
 #: before a healthy one has to wait for a thread.
 MAX_REFRESHERS = 8
-_REFRESHER_IDLE = 10.0  # seconds an idle refresher thread waits for work before it ends
 
 
 class LeaseInterrupt(PermitLost):
@@ -118,8 +130,9 @@ class HeldPermit:
         self.lost_lease_policy = lost_lease_policy
         self.task_name = task_name
         self.thread_id = threading.get_ident()
+        self._greenlet: Any = None  # the body's greenlet, in a green process
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = native.allocate_lock()
         self._permit = permit
         self._confirmed_at = clock() if confirmed_at is None else confirmed_at
         self._failures = 0
@@ -165,17 +178,27 @@ class HeldPermit:
     # -- used by the task guard ------------------------------------------------------------
 
     def arm(self) -> None:
-        """From now on a loss under the "raise" policy interrupts this thread."""
+        """From now on a loss under the "raise" policy interrupts this thread (or greenlet)."""
         with self._lock:
             self.thread_id = threading.get_ident()
+            self._greenlet = native.current_greenlet()
             self._armed = True
 
     def disarm(self) -> None:
         """No more interrupts; cancel one that was scheduled but has not arrived yet."""
         with self._lock:
             self._armed = False
-            if self._injected:
+            if self._injected and self._greenlet is None:
                 _set_async_exc(self.thread_id, None)
+            # (a throw into a greenlet checks, in the hub, that the body is still armed)
+
+    def _interrupt(self) -> bool:
+        """Interrupt the armed body with :class:`LeaseInterrupt` (under the lock); whether an
+        interrupt is on its way."""
+        if self._greenlet is None:
+            return _set_async_exc(self.thread_id, LeaseInterrupt) == 1
+        native.throw_into(self._greenlet, LeaseInterrupt(), lambda: self._armed)
+        return True
 
     # -- used by the heartbeat -------------------------------------------------------------
 
@@ -191,9 +214,15 @@ class HeldPermit:
         """After a refresh error: schedule a retry; True if the lease could have run out."""
         with self._lock:
             self._failures += 1
-            delay = min(_FIRST_RETRY * 2 ** (self._failures - 1), self._permit.lease / 6)
+            doublings = min(self._failures - 1, _MAX_DOUBLINGS)
+            delay = min(_FIRST_RETRY * 2**doublings, self._permit.lease / 6)
             self._next_due = now + delay
             return now >= self._deadline()
+
+    def _due(self, now: float, slack: float) -> bool:
+        """Whether a refresh is due now: within ``slack`` of its time (so due permits go in
+        one call), or, after a failed one, at its retry time and not before."""
+        return self._next_due <= now + (0.0 if self._failures else slack)
 
     def _deadline(self) -> float:
         """When the lease could have run out: a lease after the last confirmation (clock)."""
@@ -221,7 +250,7 @@ class HeldPermit:
             self._lost = True
             self._tracked = False
             if self.lost_lease_policy == "raise" and self._armed and not self._injected:
-                self._injected = _set_async_exc(self.thread_id, LeaseInterrupt) == 1
+                self._injected = self._interrupt()
             return True
 
 
@@ -231,33 +260,30 @@ class Heartbeat:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = native.allocate_lock()
         self._held: set[HeldPermit] = set()
-        self._wake = threading.Event()
+        self._wake = native.Wake()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._thread: Any = None
         #: When the thread will next look (clock time); infinity while it is awake, so that a
         #: permit tracked while it works (perhaps after it last looked) always wakes it.
         self._wake_at = math.inf
         #: Clients (by id) with a refresh call handed out and not yet returned.
         self._in_flight: set[int] = set()
-        self._refreshers = _Refreshers(MAX_REFRESHERS)
+        self._refreshers = Refreshers(MAX_REFRESHERS)
 
     def track(self, held: HeldPermit) -> HeldPermit:
         """Start refreshing ``held`` (and start the thread if needed)."""
+        native.prepare_green()  # (here, in the caller's greenlet: its hub is the one to reach)
         with held._lock:
             held._tracked = True
         with self._lock:
             self._held.add(held)
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
-                self._thread = threading.Thread(
-                    target=_run,
-                    args=(weakref.ref(self), self._wake),
-                    name="redsem-heartbeat",
-                    daemon=True,
+                self._thread = native.start_thread(
+                    partial(_run, weakref.ref(self), self._wake), "redsem-heartbeat"
                 )
-                self._thread.start()
         # Wake the thread only if it would look too late for this permit: waking it on every
         # task start makes it compete with the task for the GIL for nothing.
         if held._next_due < self._wake_at:
@@ -284,7 +310,7 @@ class Heartbeat:
         self._wake.set()
         self._refreshers.end_idle()
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            thread.join(timeout)  # (an OS thread in a green process: joined all the same)
 
     def beat(self) -> float:
         """Hand out the refreshes that are due, declare lost the permits whose refresh has not
@@ -301,7 +327,7 @@ class Heartbeat:
             if id(h.client) in busy:
                 if now >= h._deadline():
                     self._lose(h, "no refresh answered for a whole lease (a call is still out)")
-            elif h._next_due <= now + slack:
+            elif h._due(now, slack):
                 due.setdefault(id(h.client), {}).setdefault(h.idle_ttl, []).append(h)
         for client_id, groups in due.items():
             with self._lock:
@@ -316,21 +342,33 @@ class Heartbeat:
         return max(0.0, next_at - self._clock())
 
     def _refresh_client(self, client_id: int, groups: list[list[HeldPermit]]) -> None:
-        """Refresher thread: refresh one client's due groups, then wake the scheduler."""
+        """Refresher thread: refresh one client's due groups, then wake the scheduler. In a
+        green process, on the client's twin with the OS's sockets; a client without one is
+        refreshed from a greenlet."""
+        client: Any = groups[0][0].client
+        if native.green_library() is not None:
+            twin = native_twin(client)
+            if twin is None:
+                native.in_green(native.spawn_green, self._refresh_groups, client_id, groups, client)
+                return
+            client = twin
+        self._refresh_groups(client_id, groups, client)
+
+    def _refresh_groups(
+        self, client_id: int, groups: list[list[HeldPermit]], client: RedisClient
+    ) -> None:
         try:
             for group in groups:
-                self._refresh(group)
+                self._refresh(group, client)
         finally:
             with self._lock:
                 self._in_flight.discard(client_id)
             self._wake.set()
 
-    def _refresh(self, group: list[HeldPermit]) -> None:
+    def _refresh(self, group: list[HeldPermit], client: RedisClient) -> None:
         sent_at = self._clock()
         try:
-            result = refresh_permits(
-                group[0].client, [h.permit for h in group], idle_ttl=group[0].idle_ttl
-            )
+            result = refresh_permits(client, [h.permit for h in group], idle_ttl=group[0].idle_ttl)
         except (BackendError, *REDIS_ERRORS) as exc:
             self._unconfirmed(group, exc)
             return
@@ -349,15 +387,18 @@ class Heartbeat:
         for h in group:
             if h._failed(now):
                 self._lose(h, f"no refresh succeeded for a whole lease ({error})")
-        logger.warning(
-            "celery_redsem: refreshing %d permit(s) failed, will retry: %s", len(group), error
+        native.in_green(
+            logger.warning,
+            "celery_redsem: refreshing %d permit(s) failed, will retry: %s",
+            len(group),
+            error,
         )
 
     def _lose(self, held: HeldPermit, why: str) -> None:
         with self._lock:
             self._held.discard(held)
         if held._mark_lost():
-            _log_loss(held, why)
+            native.in_green(_log_loss, held, why)
 
 
 def _log_loss(held: HeldPermit, why: str) -> None:
@@ -372,57 +413,7 @@ def _log_loss(held: HeldPermit, why: str) -> None:
     notify_loss(held)
 
 
-class _Refreshers:
-    """Daemon threads that run refresh calls: at most ``limit``, started when a call finds
-    none idle, each ending after :data:`_REFRESHER_IDLE` seconds without work."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._cond = threading.Condition(threading.Lock())
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._threads = 0
-        self._idle = 0
-        self._ending = False
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on an idle thread, a new one, or (all ``limit`` busy) the next free."""
-        with self._cond:
-            self._ending = False
-            self._jobs.append(job)
-            if self._idle >= len(self._jobs):
-                self._cond.notify()
-            elif self._threads < self._limit:
-                self._threads += 1
-                threading.Thread(target=self._serve, name="redsem-refresh", daemon=True).start()
-
-    def end_idle(self) -> None:
-        """Let the idle threads end now."""
-        with self._cond:
-            self._ending = True
-            self._cond.notify_all()
-
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                self._idle += 1
-                deadline = time.monotonic() + _REFRESHER_IDLE
-                while not self._jobs:
-                    left = deadline - time.monotonic()
-                    if self._ending or left <= 0:
-                        self._idle -= 1
-                        self._threads -= 1
-                        return
-                    self._cond.wait(left)
-                self._idle -= 1
-                job = self._jobs.popleft()
-            try:
-                job()
-            except Exception:  # the thread must survive anything; the next beat retries
-                logger.exception("celery_redsem: refreshing permits failed")
-            del job
-
-
-def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:
+def _run(ref: weakref.ReferenceType[Heartbeat], wake: native.Wake) -> None:
     """Thread body: holds the heartbeat only weakly, so an abandoned one lets the thread end."""
     while True:
         heartbeat = ref()
@@ -433,7 +424,7 @@ def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:
         try:
             wait = heartbeat.beat()
         except Exception:  # the thread must survive anything; the next beat retries
-            logger.exception("celery_redsem: heartbeat failed")
+            native.in_green(logger.exception, "celery_redsem: heartbeat failed")
             wait = _FIRST_RETRY
         heartbeat._wake_at = heartbeat._clock() + wait
         del heartbeat
@@ -441,7 +432,7 @@ def _run(ref: weakref.ReferenceType[Heartbeat], wake: threading.Event) -> None:
 
 
 _heartbeat: Heartbeat | None = None
-_heartbeat_lock = threading.Lock()
+_heartbeat_lock = native.allocate_lock()
 
 
 def get_heartbeat() -> Heartbeat:
@@ -456,7 +447,7 @@ def get_heartbeat() -> Heartbeat:
 def _after_fork_in_child() -> None:
     global _heartbeat, _heartbeat_lock  # noqa: PLW0603
     _heartbeat = None
-    _heartbeat_lock = threading.Lock()
+    _heartbeat_lock = native.allocate_lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

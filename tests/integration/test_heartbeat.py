@@ -110,7 +110,7 @@ def test_a_refresh_in_flight_after_untrack_is_not_a_loss(
     heartbeat.track(held)
     heartbeat.untrack(held)  # the task ends: stop refreshing, then release
     assert sem.release(held.permit)
-    heartbeat._refresh([held])  # a refresh that was already on its way
+    heartbeat._refresh([held], held.client)  # a refresh that was already on its way
     assert not held.lost
 
 

@@ -378,6 +378,17 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def budget(key: str) -> str:
         return "ran"
 
+    # A lease of 2 s and a body that computes without yielding (no I/O, no sleep) for longer.
+    @app.task(shared=False, bind=True, name="t.spin", max_retries=0)
+    @with_lock(key=lambda key: f"spin:{key}", lease=2.0)
+    def spin(self: Any, key: str, seconds: float) -> dict[str, Any]:
+        counter().set(f"{prefix}:t:pid:{key}", os.getpid())
+        deadline = time.monotonic() + seconds
+        steps = 0
+        while time.monotonic() < deadline:
+            steps += 1
+        return {"steps": steps, **describe(self.request)}
+
     @app.task(shared=False, bind=True, name="t.fifo")
     @with_lock(key=lambda key, tag: f"fifo:{key}")
     def fifo(self: Any, key: str, tag: str, seconds: float = 0.0) -> dict[str, Any]:
