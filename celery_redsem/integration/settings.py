@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import redis
 from celery import Celery
 from celery.local import Proxy
 
@@ -41,8 +42,10 @@ __all__ = [
     "LOST_LEASE_POLICIES",
     "LOST_LEASE_POLICY",
     "SETTINGS",
+    "SPARE_CONNECTIONS",
     "RedsemConfig",
     "Setting",
+    "expect_concurrency",
     "get_client",
     "get_config",
     "reset",
@@ -431,12 +434,46 @@ def get_client(app: Celery) -> RedisClient:
             f"cannot build a Redis client for {where}{with_options}: "
             f"{scrub(str(exc), url, config.redis_options)}"
         ) from exc
+    _fit_pool(client, config, _concurrency.get(app, 0))
     with _lock:
         cached = _clients.get(app)
         if cached is not None and cached[0] == pid:
             return cached[1]
         _clients[app] = (pid, client)
         return client
+
+
+#: The most tasks a worker of the app runs at once in one process, where it runs them in
+#: threads or greenlets (see expect_concurrency).
+_concurrency: weakref.WeakKeyDictionary[Celery, int] = weakref.WeakKeyDictionary()
+#: Connections the plugin may need in a worker process beyond one per running task: admission's
+#: asks, its dispatcher, the heartbeat, a standby's wait.
+SPARE_CONNECTIONS = 10
+
+
+def expect_concurrency(app: Celery, tasks: int) -> None:
+    """A worker of ``app`` runs up to ``tasks`` at once in this process (threads, gevent,
+    eventlet): the app's client gets a connection pool that many can share (see
+    :func:`_fit_pool`). Call it before the client is first built."""
+    app = _real_app(app)
+    with _lock:
+        _concurrency[app] = tasks
+        cached = _clients.pop(app, None)
+    if cached is not None and cached[0] == os.getpid():
+        cached[1].close()
+
+
+def _fit_pool(client: RedisClient, config: RedsemConfig, tasks: int) -> None:
+    """Widen the connection pool of ``client`` to ``tasks`` plus :data:`SPARE_CONNECTIONS`
+    unless ``redsem_redis_options`` sets ``max_connections`` (redis-py 8 pools hold 100 by
+    default: at ``-c 200`` releases failed with "Too many connections", each leaving a permit
+    idle for its lease). Pools that size themselves otherwise (blocking, cluster) are kept."""
+    pool = getattr(client, "connection_pool", None)
+    limit = getattr(pool, "max_connections", None)
+    if not tasks or "max_connections" in config.redis_options or not isinstance(limit, int):
+        return
+    if type(pool) is redis.ConnectionPool and limit < tasks + SPARE_CONNECTIONS:
+        pool.max_connections = tasks + SPARE_CONNECTIONS
 
 
 def reset(app: Celery) -> None:

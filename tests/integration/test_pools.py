@@ -40,7 +40,7 @@ def test_a_burst_is_parked_within_its_limit_and_other_keys_pass_it(
     queue = f"pool-{pool}-{key}"
     with running_workers(
         redis_url, module_prefix, tmp_path, [pool], POOLS[pool], "-Q", queue, pool=pool
-    ):
+    ) as (worker,):
         burst = [app.tasks["t.counted"].apply_async((key, 0.1), queue=queue) for _ in range(60)]
         others = [
             app.tasks["t.counted"].apply_async((f"{key}-other{i}", 0.1), queue=queue)
@@ -49,6 +49,10 @@ def test_a_burst_is_parked_within_its_limit_and_other_keys_pass_it(
         assert all(result.get(timeout=30)["contention_retries"] == 0 for result in others)
         assert sum(not result.ready() for result in burst) >= 20  # passed, not waited behind
         outs = [result.get(timeout=90) for result in burst]
+        # One process running more at once than kombu's 10 Redis connections: said at start.
+        assert worker.log().count("kombu's max_connections") == (
+            POOLS[pool] > 10 and pool != "prefork"
+        )
     assert all(out["contention_retries"] == 0 and out["retries"] == 0 for out in outs)
     counter = redis.Redis.from_url(app.conf.broker_url)
     prefix = app.conf.redsem_key_prefix

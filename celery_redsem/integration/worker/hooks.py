@@ -30,8 +30,13 @@ from celery_redsem.integration import seam
 from celery_redsem.integration.admission.dispatcher import Admission
 from celery_redsem.integration.dedupe.sender import install_dedupe, mark_received
 from celery_redsem.integration.guards.base import iter_guarded_tasks
-from celery_redsem.integration.settings import get_config
-from celery_redsem.integration.worker.request import install_request_class, release_task, set_pool
+from celery_redsem.integration.settings import expect_concurrency, get_config
+from celery_redsem.integration.worker.request import (
+    has_child_processes,
+    install_request_class,
+    release_task,
+    set_pool,
+)
 from celery_redsem.integration.worker.start_checks import StartChecks, refuse_without_redis
 
 __all__ = ["AdmissionStep", "on_worker_init"]
@@ -72,8 +77,11 @@ def on_worker_init(controller: Any) -> None:
     guarded = [task for task, _guards in iter_guarded_tasks(app)]
     if not guarded:
         return
+    pool_cls = getattr(controller, "pool_cls", None)
+    if not has_child_processes(pool_cls):  # threads, gevent, eventlet: tasks share a client
+        expect_concurrency(app, int(getattr(controller, "concurrency", 0) or 0))
     refuse_without_redis(app, guarded)
-    set_pool(getattr(controller, "pool_cls", None))
+    set_pool(pool_cls)
     for task in guarded:
         install_request_class(task)
     if get_config(app).worker_admission:

@@ -31,9 +31,12 @@ from celery_redsem.integration.settings import (
     get_config,
     refresh_stall_warning,
 )
+from celery_redsem.integration.worker.request import has_child_processes
 
 __all__ = [
+    "KOMBU_REDIS_CONNECTIONS",
     "StartChecks",
+    "check_broker_pool",
     "check_eviction_policy",
     "check_late_acks",
     "check_task_leases",
@@ -122,8 +125,40 @@ class StartChecks(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         found = getattr(parent, "redsem_start_warnings", [])  # (admission's, say)
-        for warning in [*found, *start_warnings(parent.app)]:
+        concurrency = int(getattr(parent, "concurrency", 0) or 0)
+        pool = check_broker_pool(parent.app, parent.pool_cls, concurrency)
+        for warning in [*found, *start_warnings(parent.app), *([pool] if pool else [])]:
             logger.warning(warning)
+
+
+#: kombu's Redis transport: connections per channel pool unless max_connections says.
+KOMBU_REDIS_CONNECTIONS = 10
+
+
+def check_broker_pool(app: Celery, pool_cls: Any, concurrency: int) -> str | None:
+    """A warning if the worker runs more tasks at once in one process (threads, gevent,
+    eventlet) than the Redis broker's connection pool holds (kombu's ``max_connections``, 10
+    by default): acks and deliveries from that many at once run out of connections ("Couldn't
+    ack ... MaxConnectionsError"), and the broker delivers those tasks again."""
+    if has_child_processes(pool_cls) or not _redis_broker(app):
+        return None
+    options = app.conf.broker_transport_options or {}
+    limit = options.get("max_connections", KOMBU_REDIS_CONNECTIONS)
+    if not isinstance(limit, int) or concurrency <= limit:
+        return None
+    return (
+        f"celery_redsem: this worker runs up to {concurrency} tasks at once in one process, and "
+        f"the Redis broker's connection pool holds {limit} (kombu's max_connections): acks sent "
+        "together run out of connections, and the broker then delivers those tasks again. Set "
+        f"broker_transport_options = {{'max_connections': {concurrency + 10}}} (in Django "
+        "settings: CELERY_BROKER_TRANSPORT_OPTIONS)"
+    )
+
+
+def _redis_broker(app: Celery) -> bool:
+    url = app.conf.broker_url or ""
+    first = (url[0] if isinstance(url, list | tuple) and url else url) or ""
+    return str(first).split("://", 1)[0].lower() in ("redis", "rediss", "sentinel")
 
 
 def start_warnings(app: Celery) -> list[str]:
