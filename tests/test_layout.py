@@ -249,6 +249,8 @@ CELERY_PRIVATE = (
     "_get_active_apps",
     "connect_on_app_finalize",
     "outbound_buffer",
+    "_pop_ready",
+    "maybe_restore_messages",
 )
 SEAM = "celery_redsem.integration.seam"
 #: redis-py's private names, allowed in at most one module.

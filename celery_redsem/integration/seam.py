@@ -15,6 +15,10 @@ prefork ``AsynPool.outbound_buffer``           tasks handed to the pool, not yet
 ``celery._state._get_active_apps``             the app of a guarded function called directly
 ``celery._state.connect_on_app_finalize``      dedupe's send side, as each app is finalized
 ``celery.worker.state`` request sets, flags    runs live in this worker, a stopping worker
+kombu ``Hub._pop_ready``                       acks still queued in the event loop, sent
+                                               before the worker's connection closes
+kombu Redis ``cycle.maybe_restore_messages``   a dead worker's messages given back, also by a
+                                               worker without an event loop
 =============================================  ===============================================
 
 :func:`probe` checks, as a worker starts, that what admission needs is there and behaves as
@@ -25,6 +29,7 @@ and kombu versions (:func:`versions`), and guarded tasks ask in their pool child
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -45,11 +50,15 @@ __all__ = [
     "live_requests",
     "on_app_finalize",
     "probe",
+    "run_pending",
     "slot_queue",
+    "sweep_unacked",
     "unwritten_tasks",
     "versions",
     "worker_stopping",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: A slot queue entry, as kombu keeps it: the callback, its args and its kwargs.
 Entry = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -93,6 +102,33 @@ def worker_stopping(controller: Any) -> bool:
     blueprint = getattr(controller, "blueprint", None)
     state: object = getattr(blueprint, "state", _BLUEPRINT_RUNNING)
     return state != _BLUEPRINT_RUNNING
+
+
+def run_pending(hub: Any) -> None:
+    """Run what is queued in the worker's event loop for its next turn now (acknowledgements,
+    above all): a worker that stops leaves its loop without that turn, and closes its
+    connection, which gives every message not acknowledged back to the broker."""
+    for callback in hub._pop_ready():
+        try:
+            callback()
+        except Exception:  # (one failure must not keep the others back)
+            logger.exception("celery_redsem: a callback queued in the event loop failed")
+
+
+def sweep_unacked(controller: Any) -> None:
+    """Give back to their queues the messages a dead worker held unacknowledged for longer than
+    the Redis broker's ``visibility_timeout`` (nothing on other brokers).
+
+    kombu's Redis transport does this on a timer of the worker's event loop; a worker without
+    one (gevent, eventlet) sweeps only when a poll finds nothing, and its poll always finds the
+    answer of its last ``BRPOP`` (every second): it never sweeps, and a killed worker's parked
+    tasks would stay unacknowledged until a worker with an event loop came by.
+    """
+    connection = getattr(getattr(controller, "consumer", None), "connection", None)
+    cycle = getattr(getattr(connection, "transport", None), "cycle", None)
+    restore = getattr(cycle, "maybe_restore_messages", None)
+    if callable(restore):
+        restore()
 
 
 def unwritten_tasks(controller: Any) -> bool:

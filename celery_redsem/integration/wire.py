@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from typing import Any, NamedTuple
 
@@ -152,12 +152,17 @@ def take_standby(request: Any) -> bool:
 
 
 #: The write end of the grant notices' pipe, under "fd" (made in the main process before the
-#: pool forks its children, which inherit it); empty outside a worker with admission.
-_notice: dict[str, int] = {}
+#: pool forks its children, which inherit it), or under "local" what a task's greenlet calls;
+#: empty outside a worker with admission.
+_notice: dict[str, Any] = {}
 
 
-def open_grant_notices() -> int:
-    """Open the pipe on which standbys' children tell of their grants; its read end."""
+def open_grant_notices(local: Callable[[str], None] | None = None) -> int | None:
+    """Open the pipe on which standbys' children tell of their grants; its read end. With
+    ``local``: runs in this process tell it instead (no pipe)."""
+    if local is not None:
+        _notice["local"] = local
+        return None
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
     os.set_blocking(write_fd, False)
@@ -166,7 +171,11 @@ def open_grant_notices() -> int:
 
 
 def tell_granted(task_id: str) -> None:
-    """In a standby's child: it got its permit; the main process acknowledges its message."""
+    """In a standby's run: it got its permit; the worker acknowledges its message."""
+    local = _notice.get("local")
+    if local is not None:
+        local(task_id)
+        return
     fd = _notice.get("fd")
     if fd is None:
         return

@@ -52,6 +52,10 @@ def _quick_redelivery(module_prefix: str) -> dict[str, object]:
         "visibility_timeout": 10,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # A worker killed while it held kombu's lock on the unacknowledged messages (a green
+        # worker's consumer sweeps them at every idle poll) keeps every other worker from
+        # giving them back until the lock expires: 300 s by default.
+        "unacked_mutex_expire": 5,
     }
 
 

@@ -1,22 +1,19 @@
 """Admission on every pool a Celery user runs: a burst on one key through a real ``celery
 worker -P <pool>`` is parked in the worker (no trip through the broker), held to its limit,
-and tasks of other keys sent after it are not held behind it."""
+and tasks of other keys sent after it are not held behind it. (Prefork: test_admission.)"""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import redis
 from celery import Celery
 
-from celery_redsem import PermitLost
-from tests.integration.conftest import holder, running_workers
-from tests.servers import wait_until
+from tests.integration.conftest import running_workers
 
-#: The pools admission serves, with the concurrency each is run at here.
-POOLS = {"prefork": 8, "threads": 8, "gevent": 20, "eventlet": 20}
+#: The pools admission serves besides prefork, with the concurrency each is run at here.
+POOLS = {"threads": 8, "gevent": 20, "eventlet": 20}
 
 
 def _starts(app: Celery, key: str) -> list[str]:
@@ -50,9 +47,7 @@ def test_a_burst_is_parked_within_its_limit_and_other_keys_pass_it(
         assert sum(not result.ready() for result in burst) >= 20  # passed, not waited behind
         outs = [result.get(timeout=90) for result in burst]
         # One process running more at once than kombu's 10 Redis connections: said at start.
-        assert worker.log().count("kombu's max_connections") == (
-            POOLS[pool] > 10 and pool != "prefork"
-        )
+        assert worker.log().count("kombu's max_connections") == (POOLS[pool] > 10)
     assert all(out["contention_retries"] == 0 and out["retries"] == 0 for out in outs)
     counter = redis.Redis.from_url(app.conf.broker_url)
     prefix = app.conf.redsem_key_prefix
@@ -61,51 +56,3 @@ def test_a_burst_is_parked_within_its_limit_and_other_keys_pass_it(
     counter.close()
     started = _starts(app, key)
     assert sorted(started) == sorted(r.id for r in burst)  # each ran once
-
-
-def _pid_noted(app: Celery, key: str) -> None:
-    client = redis.Redis.from_url(app.conf.broker_url)
-    try:
-        prefix = app.conf.redsem_key_prefix
-        wait_until(lambda: client.get(f"{prefix}:t:pid:{key}"), 30, what="the body started")
-    finally:
-        client.close()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
-def test_a_greenlet_computing_without_yield_keeps_its_permit(
-    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, pool: str
-) -> None:
-    # A body computes for 5 s without yielding under a 2 s lease: the heartbeat, an OS thread,
-    # keeps renewing its permit, so nobody else gets it meanwhile.
-    queue = f"spin-{pool}-{key}"
-    with running_workers(redis_url, module_prefix, tmp_path, [pool], 4, "-Q", queue, pool=pool):
-        result = app.tasks["t.spin"].apply_async((key, 5.0), queue=queue)
-        _pid_noted(app, key)
-        sem = holder(app, f"spin:{key}", lease=2.0)
-        tries = 0
-        while not result.ready():
-            assert sem.acquire(blocking=False) is None, "the spinning body's permit was taken"
-            tries += 1
-            time.sleep(0.2)
-        out = result.get(timeout=10)
-    assert tries >= 15  # (asked throughout the 5 s)
-    assert out["lost"] is False
-    assert out["steps"] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
-def test_the_raise_policy_interrupts_a_greenlet_at_its_next_yield(
-    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, pool: str
-) -> None:
-    queue = f"raise-{pool}-{key}"
-    with running_workers(redis_url, module_prefix, tmp_path, [pool], 4, "-Q", queue, pool=pool):
-        result = app.tasks["t.lost_raises"].apply_async((key,), queue=queue)
-        _pid_noted(app, key)
-        assert holder(app, f"lost:{key}").release(result.id)  # an operator takes it away
-        taken = time.monotonic()
-        with pytest.raises(PermitLost, match="lost its lease"):
-            result.get(timeout=15)
-        assert time.monotonic() - taken < 5  # interrupted, not run to its end (30 s)

@@ -38,18 +38,17 @@ from celery_redsem.integration import seam
 from celery_redsem.integration.admission.ask_ahead import HELD_WAITING_FRESH, AskAhead
 from celery_redsem.integration.admission.asks import Asks, WaitingAsks, asks_for
 from celery_redsem.integration.admission.gate import Gate
-from celery_redsem.integration.admission.green import wire_green
 from celery_redsem.integration.admission.live_runs import LiveRuns
-from celery_redsem.integration.admission.parking import Parked, ParkingLot, received_at
+from celery_redsem.integration.admission.parking import Parked, ParkingLot, RateGuard, received_at
 from celery_redsem.integration.admission.stages import (
     Answer,
     Candidate,
     PermitGuard,
-    RateGuard,
     Stage,
     Then,
 )
 from celery_redsem.integration.admission.standby import GrantNotices, Standbys
+from celery_redsem.integration.admission.wiring import wire
 from celery_redsem.integration.guards.naming import call_arguments
 from celery_redsem.integration.line import release_quietly, server_ms
 from celery_redsem.integration.policy import (
@@ -60,7 +59,6 @@ from celery_redsem.integration.policy import (
     longest_park,
     park_time,
 )
-from celery_redsem.integration.seam import Slots
 from celery_redsem.integration.settings import get_client, get_config
 from celery_redsem.integration.wire import (
     clear_dispatch_fields,
@@ -83,25 +81,23 @@ class Admission:
         self.controller = controller
         self.app = app
         hub = getattr(controller, "hub", None)
-        green = wire_green(controller, self.process_task)  # gevent, eventlet
-        self.slots: Slots | None
-        if green is not None:
-            self.slots, self._dispatch, in_loop, timer = green
-        else:  # prefork, threads: the worker's event loop (none: solo)
-            self.slots = seam.slot_queue(controller, self.process_task)
-            self._dispatch = seam.hook_dispatch(controller, self.process_task, self.slots)
-            in_loop, timer = seam.in_loop(controller, self.slots), None
+        self.wiring = wire(controller, self.process_task)
+        self.slots = self.wiring.slots
+        self._dispatch = self.wiring.dispatch
         self.ahead: AskAhead[Candidate] = AskAhead(self._ask_ahead, self._drop_ahead)
         self.lot = (
             None
             if self.slots is None
-            else ParkingLot(controller, self.slots, self.ahead.ask_now, hub, timer)
+            else ParkingLot(controller, self.slots, self.ahead.ask_now, hub, self.wiring.timer)
         )
-        self.runs = LiveRuns(self._wake_one, in_loop)  # runs asked for or handed over here
+        self.runs = LiveRuns(self._wake_one, self.wiring.in_loop)  # asked for or handed over here
         self.standbys = Standbys()
-        # (a standby's acknowledgement waits for its grant only where an event loop reads the
-        # notices: prefork, threads)
-        self.notices = GrantNotices() if hub is not None else None
+        green_loop = self.wiring.green_loop
+        self.notices = (
+            GrantNotices(green_loop.call_soon if green_loop is not None else None)
+            if hub is not None or green_loop is not None
+            else None  # (solo: no admission)
+        )
         self._asks: Asks | None = None
         self.gate = Gate()  # which tasks admission decides for; its pause after an error
 
@@ -118,14 +114,14 @@ class Admission:
         clear_dispatch_fields(req.request_dict)
         if asked_ahead is not None and self._took_slot(asked_ahead):
             return None  # its answer is acted on now, or when it comes
-        if lot.stopping():  # a grant now might never run here: the child asks, if it runs
-            return self._dispatch(req)
+        if lot.stopping():
+            return self._at_stop(req)
         guard = self.gate.guard_of(req)
         if guard is None:
             return self._dispatch(req)
         try:
             if guard.kind == "rate":
-                self._admit_rate(req, cast(RateGuard, guard), earlier)
+                lot.admit_rate(self.app, req, cast(RateGuard, guard), earlier)
                 self.gate.answered()
             elif self._ask(req, cast(PermitGuard, guard), earlier):
                 return None  # answered later (or already): dispatched or parked then
@@ -137,15 +133,15 @@ class Admission:
             return None
         return self._dispatch(req)
 
-    def _admit_rate(self, req: Any, guard: RateGuard, earlier: Parked | None) -> None:
-        """A task whose only guard is a rate limit: dispatched once its limiter admits it,
-        else parked until exactly the start booked for it (no pool slot, no broker trip)."""
-        assert self.lot is not None
-        delivered = received_at(req, earlier, time.monotonic())
-        horizon = longest_park(self.app.conf) - (time.monotonic() - delivered)
-        wait = guard.wait_at_dispatch(self.app, req.task, req, horizon)
-        if wait:  # 0.0: admitted; None: its child decides
-            self.lot.park_for_rate(req, earlier, delivered, wait)
+    def _at_stop(self, req: Any) -> Any:
+        """The worker stops: on prefork the task goes to its child, which asks, if it runs;
+        on the other pools nothing more starts (its acknowledgement could not go out, and it
+        would run again elsewhere): its message goes back to the broker as the worker stops."""
+        assert self.slots is not None
+        if not self.slots.gated_here:
+            return self._dispatch(req)
+        self.slots.give_back()
+        return None
 
     # -- asking ---------------------------------------------------------------------------
 
@@ -326,18 +322,19 @@ class Admission:
 
     def _gone(self, candidate: Candidate, answer: Answer) -> bool:
         """Whether the worker moved on while ``candidate``'s ask was in flight: it is shutting
-        down (the task goes to its child, which asks, if it runs), or the broker connection
-        the task came on was lost (its message will be delivered again: dropped here, its slot
-        with it, as the consumer reset its slots)."""
+        down (see :meth:`_at_stop`), or the broker connection the task came on was lost (its
+        message will be delivered again: dropped here, its slot with it, as the consumer reset
+        its slots)."""
         if not self._moved_on(candidate):
             return False
         assert self.lot is not None
         stopping = self.lot.stopping()
         if isinstance(answer, Permit):
             release_quietly(candidate.sem, answer)
+        slotted = candidate.slotted
         candidate.stage = Stage.DONE
-        if stopping:
-            self._dispatch(candidate.req)
+        if stopping and slotted:
+            self._at_stop(candidate.req)
         return True
 
     def _moved_on(self, candidate: Candidate) -> bool:

@@ -23,14 +23,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
-from celery_redsem.integration.seam import hook_dispatch
-
-__all__ = ["GreenLoop", "GreenSlots", "GreenWiring", "green_library", "wire_green"]
+__all__ = ["SWEEP_EVERY", "GreenLoop", "GreenSlots", "green_library"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between sweeps for a dead worker's messages (kombu's ``unacked_restore_interval``
+#: default, on the Redis broker: see :func:`~celery_redsem.integration.seam.sweep_unacked`).
+SWEEP_EVERY = 10.0
 
 
 def green_library(pool: Any) -> str | None:
@@ -80,6 +81,19 @@ class GreenLoop:
         """Run ``fn(*args)`` in the dispatcher ``seconds`` from now (a timer entry; nothing
         cancels it: what it runs checks whether it still has anything to do)."""
         return self._timer.call_after(seconds, self.call_soon, (fn, *args), priority=priority)
+
+    def run_pending(self) -> None:
+        """Run what is queued for the dispatcher now, in the caller (a worker that stops:
+        acknowledgements above all, before its connection closes)."""
+        while True:
+            try:
+                fn, args = self._queue.get_nowait()
+            except Exception:  # (the queue's Empty)
+                return
+            try:
+                fn(*args)
+            except Exception:
+                logger.exception("celery_redsem: admission failed in the dispatcher's work")
 
     def cancel(self, _entry: Any) -> None:
         """Nothing: a timer's work checks, when it runs, whether it is still wanted."""
@@ -187,26 +201,3 @@ class GreenSlots:
     def defer_releases(self, controller: Any, hub: Any, while_: Callable[[], bool]) -> None:
         """Nothing to defer: a slot comes back through the dispatcher's queue already, after
         the run's end has woken the task parked first on its semaphore."""
-
-
-class GreenWiring(NamedTuple):
-    """Admission's hook-up on a green pool: its slots, the worker's hand-over to the pool, how
-    work gets to the dispatcher, and the timer parked tasks resume on."""
-
-    slots: GreenSlots
-    dispatch: Callable[[Any], Any]
-    in_loop: Callable[[Callable[[], None]], None]
-    loop: GreenLoop
-
-
-def wire_green(controller: Any, hook: Callable[[Any], Any]) -> GreenWiring | None:
-    """Hook ``hook`` into a gevent or eventlet worker's dispatch behind a dispatcher greenlet
-    (started here); None on any other pool."""
-    library = green_library(getattr(controller, "pool", None))
-    if library is None:
-        return None
-    loop = GreenLoop(library, controller.timer)
-    slots = GreenSlots(controller.pool.limit, hook, loop)
-    dispatch = hook_dispatch(controller, hook, slots, partial(loop.call_soon, slots.take))
-    loop.start()
-    return GreenWiring(slots, dispatch, loop.call_soon, loop)

@@ -20,15 +20,24 @@ import heapq
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from celery_redsem.core.permit_ids import permit_id_of
 from celery_redsem.integration.admission.prefetch import widen_for_parked, window_step
-from celery_redsem.integration.policy import MAX_PARK
+from celery_redsem.integration.policy import MAX_PARK, longest_park
 from celery_redsem.integration.seam import Slots, worker_stopping
 from celery_redsem.metrics import record_park, record_unpark
 
-__all__ = ["Parked", "ParkedTasks", "ParkingLot", "received_at"]
+__all__ = ["Parked", "ParkedTasks", "ParkingLot", "RateGuard", "received_at"]
+
+
+class RateGuard(Protocol):
+    """What admission asks of a rate guard: reserve the start of a run, and say how long it
+    waits for it (0.0: none; None: its child decides)."""
+
+    def wait_at_dispatch(
+        self, app: Any, task: Any, request: Any, horizon: float
+    ) -> float | None: ...
 
 
 def received_at(req: Any, earlier: Parked | None, now: float) -> float:
@@ -215,6 +224,15 @@ class ParkingLot:
         first_ms = earlier.first_ms if earlier is not None else -1  # not waiting for a permit
         delivered = received_at(req, earlier, time.monotonic())
         self.park(Parked(req, name, 0, first_ms, tries, None, delivered), MAX_PARK)
+
+    def admit_rate(self, app: Any, req: Any, guard: RateGuard, earlier: Parked | None) -> None:
+        """A task whose only guard is a rate limit: dispatched once its limiter admits it,
+        else parked until exactly the start booked for it (no pool slot, no broker trip)."""
+        delivered = received_at(req, earlier, time.monotonic())
+        horizon = longest_park(app.conf) - (time.monotonic() - delivered)
+        wait = guard.wait_at_dispatch(app, req.task, req, horizon)
+        if wait:  # 0.0: admitted; None: its child decides
+            self.park_for_rate(req, earlier, delivered, wait)
 
     def park_for_rate(
         self, req: Any, earlier: Parked | None, delivered: float, seconds: float

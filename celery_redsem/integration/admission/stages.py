@@ -10,8 +10,8 @@ its permit), parked or sent to its pool slot as a standby. Two small enums say w
   Redis when the task will be back, after which it parks (``PARK``), or nothing: the task goes
   to its child once it holds its slot (``TO_CHILD``).
 
-:class:`PermitGuard` and :class:`RateGuard` are what admission asks of a task's one guard
-(a semaphore's and a rate limiter's: :mod:`~celery_redsem.integration.guards`).
+:class:`PermitGuard` is what admission asks of a task's one guard when it is a semaphore's
+(:mod:`~celery_redsem.integration.guards`; a rate limiter's: :class:`.parking.RateGuard`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from celery_redsem.integration.admission.parking import Parked
 from celery_redsem.integration.line import Answer
 from celery_redsem.integration.settings import RedsemConfig
 
-__all__ = ["Answer", "Candidate", "PermitGuard", "RateGuard", "Stage", "Then"]
+__all__ = ["Answer", "Candidate", "PermitGuard", "Stage", "Then"]
 
 
 class Stage(Enum):
@@ -60,14 +60,6 @@ class PermitGuard(Protocol):
     ) -> FairSemaphore: ...
 
     def max_wait_for(self, config: RedsemConfig) -> float | None: ...
-
-
-class RateGuard(Protocol):
-    """What admission asks of a rate guard."""
-
-    def wait_at_dispatch(
-        self, app: Celery, task: Any, request: Any, horizon: float
-    ) -> float | None: ...
 
 
 @dataclass

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from celery_redsem.integration.policy import head_wait_budget
@@ -94,19 +95,26 @@ class Standbys:
 
 
 class GrantNotices:
-    """The pipe on which standbys' children tell the worker's main process they got their
-    permits; the main process then acknowledges their messages."""
+    """How standbys tell the worker they got their permits; the worker then acknowledges their
+    messages. Children of a prefork pool (and threads) write to a pipe the event loop reads;
+    where tasks run in greenlets of the worker's own thread, a task's greenlet hands the notice
+    to the dispatcher (``in_loop``)."""
 
-    def __init__(self) -> None:
-        self._read_fd = open_grant_notices()
+    def __init__(self, in_loop: Callable[..., None] | None = None) -> None:
         self._expecting: dict[str, Any] = {}
         self._partial = b""
+        self._read_fd: int | None = None
+        if in_loop is None:
+            self._read_fd = open_grant_notices()
+        else:
+            open_grant_notices(lambda task_id: in_loop(self._granted, task_id))
 
     def expect(self, hub: Any, req: Any) -> None:
-        """Acknowledge ``req`` (its ack held back) when its child tells of its grant."""
+        """Acknowledge ``req`` (its ack held back) when its run tells of its grant."""
         self._expecting[req.id] = req
-        if hub.readers.get(self._read_fd) is None:  # (a broker reconnection resets the hub)
-            hub.add_reader(self._read_fd, self._on_readable)
+        fd = self._read_fd
+        if fd is not None and hub.readers.get(fd) is None:  # (a reconnection resets the hub)
+            hub.add_reader(fd, self._on_readable)
 
     def done(self, req: Any) -> None:
         """``req`` ended (with or without a grant): nothing more to expect."""
@@ -114,13 +122,17 @@ class GrantNotices:
         if self._expecting.get(task_id) is req:
             del self._expecting[task_id]
 
+    def _granted(self, task_id: str) -> None:
+        req = self._expecting.pop(task_id, None)
+        if req is not None:
+            req.redsem_ack()
+
     def _on_readable(self, *_: Any) -> None:
+        assert self._read_fd is not None
         try:
             data = self._partial + os.read(self._read_fd, 65536)
         except BlockingIOError:
             return
         *lines, self._partial = data.split(b"\n")
         for line in lines:
-            req = self._expecting.pop(line.decode(errors="replace"), None)
-            if req is not None:
-                req.redsem_ack()
+            self._granted(line.decode(errors="replace"))

@@ -39,7 +39,7 @@ from celery_redsem.integration.worker.request import (
 )
 from celery_redsem.integration.worker.start_checks import StartChecks, refuse_without_redis
 
-__all__ = ["AdmissionStep", "on_worker_init"]
+__all__ = ["AdmissionStep", "PendingAcks", "on_worker_init"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,22 @@ class AdmissionStep(bootsteps.Step):
         parent.redsem_admission = Admission(parent, parent.app)
 
 
+class PendingAcks(bootsteps.StartStopStep):
+    """A consumer step that runs, as the worker stops and before its connection closes, what
+    admission left queued for its loop's next turn: acknowledgements of tasks that started as
+    the stop came (else the broker gets those messages back and the tasks run twice)."""
+
+    label = "celery_redsem acks"
+    requires = ("celery.worker.consumer.connection:Connection",)
+
+    def stop(self, parent: Any) -> None:
+        admission = getattr(parent.controller, "redsem_admission", None)
+        if isinstance(admission, Admission):
+            admission.wiring.run_pending()
+
+    shutdown = stop
+
+
 def on_worker_init(controller: Any) -> None:
     """Set up a worker (a ``WorkController``) whose app has guarded tasks (see above)."""
     app: Celery | None = getattr(controller, "app", None)
@@ -86,6 +102,7 @@ def on_worker_init(controller: Any) -> None:
         install_request_class(task)
     if get_config(app).worker_admission:
         app.steps["worker"].add(AdmissionStep)
+        app.steps["consumer"].add(PendingAcks)
     install_dedupe(app)  # tasks this worker sends take their dedupe marks
     app.steps["worker"].add(StartChecks)  # before the worker builds its blueprint from them
     task_revoked.connect(_on_task_revoked, weak=False, dispatch_uid=f"{__name__}.task_revoked")
