@@ -21,6 +21,8 @@ __all__ = ["MAX_PERMIT_ID_LENGTH", "new_permit_id", "permit_id_of", "run_permit_
 #: The longest permit id a semaphore takes (its keys and replies stay small).
 MAX_PERMIT_ID_LENGTH = 256
 RUN_MARK = "~"  # starts the suffix of a task run's permit id
+#: Task ids that starting so are replaced by a hash (see run_permit_id).
+_MAPPED = (":", "#")
 
 
 class _PermitIds:
@@ -58,15 +60,17 @@ def run_permit_id(task_id: str, retries: object = 0, replaced_task_nesting: obje
     one run (and its contention retries, which keep ``retries``) share its id and its permit.
 
     No two runs map to one id: a task id that contains ``~`` always gets the suffix (``~0``
-    on its first run), so the last ``~`` always starts the suffix of a suffixed id. An id
-    longer than :data:`MAX_PERMIT_ID_LENGTH` is replaced by ``#`` and a hash of the task id.
+    on its first run), so the last ``~`` always starts the suffix of a suffixed id. A task id
+    that would not fit (longer than :data:`MAX_PERMIT_ID_LENGTH`), or that starts with ``:``
+    (the semaphore's own fields do) or ``#`` (what the others are replaced by), is replaced by
+    ``#`` and a hash of the task id.
     """
     retry_count, nesting = _count(retries), _count(replaced_task_nesting)
     if not retry_count and not nesting and RUN_MARK not in task_id:
         run_id = task_id
     else:
         run_id = f"{task_id}{RUN_MARK}{retry_count}" + (f".{nesting}" if nesting else "")
-    if len(run_id) <= MAX_PERMIT_ID_LENGTH:
+    if len(run_id) <= MAX_PERMIT_ID_LENGTH and not task_id.startswith(_MAPPED):
         return run_id
     digest = hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()
     return "#" + digest + run_id[len(task_id) :]

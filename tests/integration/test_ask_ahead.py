@@ -572,3 +572,14 @@ def test_the_window_comes_back_to_its_size_when_kombu_caps_it() -> None:
     for _ in range(3):
         widen_for_parked(qos, -1, WINDOW_STEP)
     assert qos.value == 4
+
+
+def test_an_ask_that_never_went_out_is_not_waited_for(hub: Hub) -> None:
+    # Admission registers its ask ahead just before sending it; if the send fails, it says so,
+    # and the task is asked for when it takes its slot instead of waiting for an answer.
+    _slots, _recorder, ahead = _installed(hub, 1)
+    req = object()
+    ahead._asked[req] = (time.monotonic(), None)  # (as _send does before asking)
+    ahead.sent(req, "ask")
+    ahead.unsent(req)
+    assert ahead.take(req) is None

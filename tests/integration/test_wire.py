@@ -97,3 +97,18 @@ def test_a_grant_is_taken_over_only_by_the_run_it_was_made_for() -> None:
     assert take_grant(_request(request_dict), "report:7", "redsem", 5.0) == (retried, 1.0)
     hand_over(request_dict, PERMIT, 1.0)  # the first run's grant, on the retried run
     assert take_grant(_request(request_dict), "report:7", "redsem", 5.0) is None
+
+
+def test_task_ids_the_semaphore_cannot_take_as_they_are_map_to_distinct_ids() -> None:
+    long_id = "L" * 300
+    hashed = run_permit_id(long_id)
+    assert hashed.startswith("#")
+    assert len(hashed) <= 256
+    # A task id that is itself '#' and a hash cannot pass for the long one (issue 39, item 10),
+    # and one starting with ':' (the semaphore's own fields do) is mapped too (item 3).
+    assert run_permit_id(hashed) not in (hashed, long_id)
+    assert run_permit_id(hashed).startswith("#")
+    colon = run_permit_id(":order-1")
+    assert colon.startswith("#")
+    assert run_permit_id(":order-1", 2) == colon + "~2"
+    assert len({run_permit_id(i) for i in (":a", "#a", "a", ":b", "#" + "0" * 64)}) == 5
