@@ -317,3 +317,24 @@ def test_ids_with_control_characters_are_shown_escaped(app, redis_client, prefix
     assert not [line for line in lines if line.startswith("  holder  forged")]
     assert "\x1b" not in result.output
     assert "'x\\n  holder  forged  token 1'" in result.output
+
+
+def test_an_operators_name_and_id_with_control_characters_are_shown_escaped(
+    app, redis_client, prefix
+):
+    # inspect and release print NAME and PERMIT_ID as the operator typed them: an escape or a
+    # carriage return in them must not reach the terminal (status escaped them already).
+    name = "esc\x1b[31m\rname"
+    sem = FairSemaphore(redis_client, name, 1, prefix=prefix, lease=30)
+    held = sem.acquire(permit_id="p1")
+    for args in (
+        ("inspect", name),
+        ("inspect", "missing\x1b[2J\r"),
+        ("release", name, "p1"),
+        ("release", name, "gone\x1b[2J\r"),
+    ):
+        result = run(app, *args)
+        out = result.output + (result.stderr or "")
+        assert "\x1b" not in out, args
+        assert "\r" not in out, args
+    assert held is not None

@@ -309,7 +309,8 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     if not exists and not limited:
         if not as_json:
             click.echo(
-                f"No semaphore {name!r} under prefix {target.prefix!r}, and no rate limiter.",
+                f"No semaphore {_shown(name)} under prefix {_shown(target.prefix)}, and no rate "
+                "limiter.",
                 err=True,
             )
         ctx.exit(1)
@@ -318,7 +319,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
 def _echo_ttls(ttls: dict[str, int]) -> None:
     for key, ttl in ttls.items():
         expiry = "has no TTL!" if ttl < 0 else f"expires in {_seconds(ttl)} unless used"
-        click.echo(f"  key     {key}  ({expiry})")
+        click.echo(f"  key     {_shown(key)}  ({expiry})")
 
 
 @redsem.command()
@@ -355,11 +356,17 @@ def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> Non
             }
         )
     elif result.released == "holder":
-        click.echo(f"Released the permit of {permit_id} in {name} (token {result.token}).")
+        click.echo(
+            f"Released the permit of {_shown(permit_id)} in {_shown(name)} "
+            f"(token {result.token})."
+        )
     elif result.released == "waiter":
-        click.echo(f"Removed {permit_id} from the waiting line of {name}.")
+        click.echo(f"Removed {_shown(permit_id)} from the waiting line of {_shown(name)}.")
     else:
-        click.echo(f"{permit_id} holds no permit and no place in line of {name}.", err=True)
+        click.echo(
+            f"{_shown(permit_id)} holds no permit and no place in line of {_shown(name)}.",
+            err=True,
+        )
     if result.released == "none":
         ctx.exit(1)
 
