@@ -14,6 +14,9 @@ kombu ``LaxBoundedSemaphore._waiting``         the slot queue: put first, remove
 prefork ``AsynPool.outbound_buffer``           tasks handed to the pool, not yet written
 ``celery._state._get_active_apps``             the app of a guarded function called directly
 ``celery._state.connect_on_app_finalize``      dedupe's send side, as each app is finalized
+``Celery._task_from_fun`` copying the          dedupe's send side, as each task class is made
+function's ``__annotations__`` into the        (also in a process that never finalizes its
+task class                                     app: a web process that only sends)
 ``celery.worker.state`` request sets, flags    runs live in this worker, a stopping worker
 kombu ``Hub._pop_ready``                       acks still queued in the event loop, sent
                                                before the worker's connection closes
@@ -49,6 +52,7 @@ __all__ = [
     "live_request",
     "live_requests",
     "on_app_finalize",
+    "on_task_class",
     "probe",
     "run_pending",
     "slot_queue",
@@ -78,6 +82,28 @@ def on_app_finalize(callback: Callable[[Celery], None]) -> None:
     """Call ``callback(app)`` as each app of this process starts to finalize (and for those
     finalized already)."""
     celery_state.connect_on_app_finalize(callback)
+
+
+def on_task_class(fn: Callable[..., Any], callback: Callable[[type], None]) -> None:
+    """Call ``callback(cls)`` with every task class Celery makes of ``fn`` (``@app.task``,
+    ``@shared_task``: one per app), as it makes it, whether or not the app is ever finalized.
+
+    Celery builds a task class with ``type()``, putting the function's ``__annotations__`` in
+    the class's namespace; Python calls ``__set_name__`` on every object of a new class's
+    namespace that has one, so annotations that have one hear of the class.
+    """
+    fn.__annotations__ = _AnnotationsThatTell(fn.__annotations__, callback)
+
+
+class _AnnotationsThatTell(dict[str, Any]):
+    """A function's annotations that call back when a class is made with them."""
+
+    def __init__(self, annotations: dict[str, Any], callback: Callable[[type], None]) -> None:
+        super().__init__(annotations)
+        self._callback = callback
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._callback(owner)
 
 
 # -- the worker's state ----------------------------------------------------------------------------

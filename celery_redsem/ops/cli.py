@@ -357,8 +357,7 @@ def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> Non
         )
     elif result.released == "holder":
         click.echo(
-            f"Released the permit of {_shown(permit_id)} in {_shown(name)} "
-            f"(token {result.token})."
+            f"Released the permit of {_shown(permit_id)} in {_shown(name)} (token {result.token})."
         )
     elif result.released == "waiter":
         click.echo(f"Removed {_shown(permit_id)} from the waiting line of {_shown(name)}.")

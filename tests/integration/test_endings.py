@@ -5,7 +5,11 @@ workers."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -29,7 +33,7 @@ from celery_redsem.integration.dedupe.run_mark import RunMark, _keeper
 from celery_redsem.integration.settings import get_config
 from celery_redsem.signals import task_skipped
 from tests.integration.apps.busy_tasks import close_busy_app, make_busy_app
-from tests.integration.conftest import blocked, holder
+from tests.integration.conftest import ROOT, blocked, holder
 from tests.servers import wait_until
 
 
@@ -310,3 +314,41 @@ def test_a_limit_function_is_checked_at_decoration() -> None:
 
     with pytest.raises(ConfigurationError, match=r"limit function .* asks for 'acount'"):
         with_semaphore(limit=lambda acount: 1, key="k")(task)
+
+
+SENDER = """
+import json
+from celery_redsem import AlreadyQueued
+from tests.integration.apps.sender_tasks import app, build, build_or_raise
+
+ids = [build.delay("r1").id for _ in range(5)]
+raised = 0
+for _ in range(3):
+    try:
+        build_or_raise.delay("r2")
+    except AlreadyQueued:
+        raised += 1
+print(json.dumps({"ids": ids, "raised": raised, "finalized": app.finalized}))
+"""
+
+
+def test_a_process_that_only_imports_the_tasks_and_sends_takes_the_marks(
+    redis_url: str, module_prefix: str
+) -> None:
+    # A web handler's process: it imports the tasks module and calls .delay(); its app is never
+    # finalized. Five sends of one key queue one run; "raise" raises for the repeats.
+    env = {
+        **os.environ,
+        "REDSEM_TEST_APP_URL": redis_url,
+        "REDSEM_TEST_APP_PREFIX": f"{module_prefix}-senders",
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SENDER], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["finalized"] is False
+    assert len(set(out["ids"])) == 1
+    assert out["raised"] == 3 - 1

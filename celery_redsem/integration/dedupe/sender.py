@@ -1,13 +1,13 @@
 """The send side of ``dedupe=``: a guarded task's ``apply_async`` that takes the mark first.
 
 Celery's ``before_task_publish`` signal cannot change what a send returns (and its receivers'
-errors are only logged), so the task's own ``apply_async`` is wrapped, on the task instance
-that the app registered. ``delay()``, ``apply_async()``, canvas (a signature calls the
+errors are only logged), so the task's own ``apply_async`` is wrapped, on the task class that
+Celery makes of the function. ``delay()``, ``apply_async()``, canvas (a signature calls the
 registered task's ``apply_async``), beat (so does the scheduler) and ``self.retry()`` all go
-through it. :func:`install_dedupe` wraps an app's tasks; it runs when an app is finalized
-(``@app.task`` and ``@shared_task`` tasks imported before that, as Celery's autodiscovery
-does), at ``worker_init`` and at ``beat_init``. A task registered on an app that was already
-finalized is wrapped at the next of these, or by calling :func:`install_dedupe` yourself.
+through it. The class is wrapped as Celery makes it (:func:`watch_sends`): whatever sends the
+task, also a process that only imports the tasks module and never finalizes its app (a web
+process). :func:`install_dedupe`, run when an app is finalized, at ``worker_init`` and at
+``beat_init``, catches any task made another way.
 
 A step of a canvas (a send with a ``chain``, ``link``, ``link_error``, ``group_id``, ``chord``,
 or an explicit ``parent_id`` or ``root_id`` as a worker sends a chain's next step or a callback)
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery
 from celery.signals import beat_init
 from celery.utils import uuid
 
@@ -36,7 +36,7 @@ from celery_redsem.core.errors import AlreadyQueued, BackendError
 from celery_redsem.integration.dedupe.run_mark import clear_quietly, mark_of, queued_ttl
 from celery_redsem.integration.guards.base import Guard, guards_of, iter_guarded_tasks
 from celery_redsem.integration.guards.naming import call_arguments
-from celery_redsem.integration.seam import on_app_finalize
+from celery_redsem.integration.seam import on_app_finalize, on_task_class
 from celery_redsem.integration.settings import get_config
 from celery_redsem.integration.wire import mark_duplicate
 
@@ -50,22 +50,26 @@ _CANVAS_OPTIONS = ("chain", "link", "link_error", "group_id", "chord", "parent_i
 
 
 def install_dedupe(app: Celery) -> int:
-    """Wrap ``apply_async`` of every task of ``app`` with a ``dedupe=`` guard (once each);
-    how many were wrapped now."""
-    wrapped = 0
+    """Have every task of ``app`` with a ``dedupe=`` guard take its mark when sent (done as
+    each task class is made; this catches any made another way); how many tasks of ``app``
+    take their marks."""
+    count = 0
     for task, guards in iter_guarded_tasks(app):
         guard = next((g for g in guards if g.dedupe), None)
-        if guard is not None and not task.__dict__.get(_WRAPPED):
-            _wrap(task, guard)
-            wrapped += 1
-    return wrapped
+        if guard is not None:
+            wrap_sends(type(task), guard)
+            count += 1
+    return count
 
 
-def _wrap(task: Task[Any, Any], guard: Guard) -> None:
-    original = task.apply_async
+def wrap_sends(cls: type, guard: Guard) -> None:
+    """Make the sends of task class ``cls`` take ``guard``'s dedupe mark first (once)."""
+    if cls.__dict__.get(_WRAPPED):
+        return
+    original = cls.apply_async  # type: ignore[attr-defined]
 
     def apply_async(
-        args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+        task: Any, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
     ) -> Any:
         config = get_config(task.app)
         name = guard.name_for(task.name, call_arguments(task, args), kwargs or {})
@@ -103,13 +107,13 @@ def _wrap(task: Task[Any, Any], guard: Guard) -> None:
             logger.debug("celery_redsem: %s for %r is run %s already", task.name, name, holder)
             return task.AsyncResult(holder)
         try:
-            return original(args, kwargs, task_id=task_id, **options)
+            return original(task, args, kwargs, task_id=task_id, **options)
         except BaseException:
             clear_quietly(mark, task_id)  # never sent: the key is free again
             raise
 
-    setattr(task, "apply_async", apply_async)  # noqa: B010 (mypy: a method)
-    setattr(task, _WRAPPED, True)
+    cls.apply_async = apply_async  # type: ignore[attr-defined]
+    setattr(cls, _WRAPPED, True)
 
 
 def mark_received(request: Any) -> None:
@@ -166,6 +170,13 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
 
 
 _watching = False
+
+
+def watch_sends(fn: Any, guard: Guard) -> None:
+    """Have every task Celery makes of the guarded function ``fn`` take ``guard``'s mark when
+    sent, as its class is made (and, failing that, when its app is finalized)."""
+    on_task_class(fn, lambda cls: wrap_sends(cls, guard))
+    watch_apps()
 
 
 def watch_apps() -> None:

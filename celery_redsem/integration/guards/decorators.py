@@ -125,10 +125,6 @@ class _GuardDecorator:
         _refuse_a_task(fn)
         guard = self.make_guard(fn, **self.options)
         _install_worker_hooks()  # a worker of this process then looks after guarded tasks
-        if guard.dedupe:
-            from celery_redsem.integration.dedupe.sender import watch_apps
-
-            watch_apps()  # its apps' sends take the dedupe mark
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -138,6 +134,10 @@ class _GuardDecorator:
         # Celery checks a call's arguments against the task's signature when it is sent
         # (``Task.typing``), reading it with getfullargspec, which ignores ``__wrapped__``.
         guarded.__signature__ = guard.signature  # type: ignore[attr-defined]
+        if guard.dedupe:
+            from celery_redsem.integration.dedupe.sender import watch_sends
+
+            watch_sends(guarded, guard)  # the sends of every task made of it take the mark
         return guarded
 
 
