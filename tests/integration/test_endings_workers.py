@@ -217,7 +217,10 @@ def test_a_lost_child_clears_its_mark(
     lost = task.delay(key, hold=True)
     wait_until(lambda: _count(counter, app, "runs", key) == 1, 30, what="the run")
     assert task.delay(key).id == lost.id
-    os.kill(int(counter.get(f"{app.conf.redsem_key_prefix}:b:pid:{key}") or 0), signal.SIGKILL)
+    pid_key = f"{app.conf.redsem_key_prefix}:b:pid:{key}"
+    wait_until(lambda: counter.get(pid_key), 10, what="the body's pid")
+    # (never os.kill(0, ...): that is this whole process group)
+    os.kill(int(counter.get(pid_key) or 0), signal.SIGKILL)
     with pytest.raises(WorkerLostError):
         lost.get(timeout=20)
     wait_until(lambda: not counter.exists(_mark_key(app, f"once:{key}")), 10, what="cleared")
