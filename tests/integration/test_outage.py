@@ -69,8 +69,13 @@ def retries() -> Iterator[Counter[str]]:
 
 
 def test_redis_down_at_acquire_retries_until_it_is_back(
-    outage_app: Celery, down_server: ServerProcess, retries: Counter[str], key: str
+    outage_app: Celery,
+    down_server: ServerProcess,
+    retries: Counter[str],
+    key: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="celery_redsem")
     with start_worker(
         outage_app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=30
     ):
@@ -87,6 +92,11 @@ def test_redis_down_at_acquire_retries_until_it_is_back(
         down_server.start()
         out = locked.get(timeout=15)
     assert out["name"] == f"locked:{key}"
+    # One warning while it is down, not one a retry (the others at INFO).
+    levels = [r.levelno for r in caplog.records if "could not reach Redis" in r.getMessage()]
+    caplog.clear()  # (its records hold Redis' errors, and those their sockets)
+    assert len(levels) >= 5
+    assert levels.count(logging.WARNING) == 1
     assert out["retries"] == 0  # max_retries=0 was not used up ...
     assert out["redis_errors"] >= 3  # ... by the retries after Redis errors
     assert out["contention_retries"] == 0

@@ -194,7 +194,8 @@ class Contention:
             floor=config.retry_min_countdown,
         )
         countdown = self._within_budget(countdown, waited)
-        logger.warning(
+        logger.log(
+            _outage_level(),
             "celery_redsem: %s[%s] could not reach Redis for %s, retrying in "
             "%.2fs (retry %d after Redis errors): %s",
             task.name,
@@ -254,6 +255,22 @@ class Contention:
             when=cast(Any, countdown),
             sig=sig,
         )
+
+
+#: While Redis cannot be reached, one warning at most this often (seconds) per process; the
+#: other retries are logged at INFO (every task of a busy worker retries while it is down).
+OUTAGE_WARNING_EVERY = 10.0
+_last_outage_warning = [-OUTAGE_WARNING_EVERY]
+
+
+def _outage_level() -> int:
+    """WARNING for the first retry after a Redis error in :data:`OUTAGE_WARNING_EVERY`
+    seconds, INFO for the others."""
+    now = time.monotonic()
+    if now - _last_outage_warning[0] < OUTAGE_WARNING_EVERY:
+        return logging.INFO
+    _last_outage_warning[0] = now
+    return logging.WARNING
 
 
 def _queue_of(task: Task[Any, Any], request: Context) -> str:
