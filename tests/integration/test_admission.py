@@ -512,3 +512,26 @@ def test_task_ids_starting_with_a_colon_run_and_every_slot_is_left(
         for i in range(4):
             counter.rpush(f"{prefix}:t:go:{key}-{i}", 1)
     assert [r.get(timeout=30)["tag"] for r in held] == ["0", "1", "2", "3"]
+
+
+@pytest.mark.slow
+def test_a_key_function_slow_at_first_holds_up_no_other_task(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
+) -> None:
+    # Its first call (3 s) runs in a thread of its own, waited for 50 ms: the other tasks sent
+    # meanwhile are dispatched at once (they started 3 s late, once per task name and worker
+    # start), and the task itself asks in its pool child.
+    queue = f"slowfirst-{key}"
+    with running_workers(redis_url, module_prefix, tmp_path, ["sf"], 3, "-Q", queue) as (w,):
+        slow = app.tasks["t.slow_first"].apply_async((key,), queue=queue)
+        calls = f"{app.conf.redsem_key_prefix}:t:keypids:{key}"
+        main_pid = str(w.proc.pid).encode()
+        wait_until(  # the slow first call under way in the worker's main process
+            lambda: main_pid in _counter(app).lrange(calls, 0, -1), 20, what="the first call"
+        )
+        sent = time.monotonic()
+        quick = [app.tasks["t.plain"].apply_async((str(i),), queue=queue) for i in range(4)]
+        assert [r.get(timeout=20) for r in quick] == ["0", "1", "2", "3"]
+        assert time.monotonic() - sent < 2.0  # not behind the 3 s call
+        assert slow.get(timeout=20) == "ran"
+        assert "the key function of t.slow_first took over" in w.log()

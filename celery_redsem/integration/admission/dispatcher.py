@@ -157,15 +157,16 @@ class Admission:
         assert self.lot is not None
         task = req.task
         config = get_config(self.app)
-        started = time.monotonic()
+        args, kwargs = call_arguments(task, req.args), req.kwargs or {}
         try:
-            name, limit = guard.name_and_limit(
-                task.name, call_arguments(task, req.args), req.kwargs or {}
+            named = self.gate.slow_keys.call(
+                task.name, lambda: guard.name_and_limit(task.name, args, kwargs)
             )
         except Exception:  # the child reports a bad key (or limit) function, visibly
             return False
-        finally:
-            self.gate.slow_keys.timed(task.name, time.monotonic() - started)
+        if named is None:  # too slow for here: the child asks
+            return False
+        name, limit = named
         sem = guard.semaphore(self.app, name, config, limit)
         if sem.min_replicas:
             return False

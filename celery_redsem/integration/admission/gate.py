@@ -1,10 +1,8 @@
 """Which tasks admission decides for, its pause after a Redis error, and slow key functions.
 
 :class:`Gate` picks the one guard of a task that admission asks for in the worker's main
-process (:mod:`~celery_redsem.integration.admission.dispatcher`); every other task goes straight to
-its
-pool child, which asks, waits or retries there
-(:mod:`~celery_redsem.integration.guards.contention`).
+process (:mod:`.dispatcher`); every other task goes straight to its pool child, which asks,
+waits or retries there (:mod:`~celery_redsem.integration.guards.contention`).
 After a Redis error it lets every task through for :data:`PAUSE_AFTER_ERROR` seconds, doubling
 with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`: a Redis that hangs (rather than
 refuses) would cost each ask a socket timeout in the event loop. A task whose key function
@@ -15,8 +13,10 @@ is too slow for the worker's main process is left to its pool children from then
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from celery_redsem.core.errors import BackendError
 from celery_redsem.integration.guards.base import Guard, guards_of
@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Seconds admission hands every task straight to the pool after a Redis error, doubling
 #: with each error in a row up to :data:`MAX_PAUSE_AFTER_ERROR`.
@@ -84,25 +86,65 @@ SLOW_KEY_FUNCTION = 0.05
 
 
 class SlowKeyFunctions:
-    """The tasks whose key function was too slow for the worker's main process."""
+    """The tasks whose key function was too slow for the worker's main process.
+
+    The first call for a task name runs in a thread of its own, and admission waits for it
+    at most :data:`SLOW_KEY_FUNCTION`: a key function that is slow at first (a cache to fill,
+    a database to reach) costs the worker's dispatch that much, not its whole run (a 30 s one
+    held up every other task for 30 s). Later calls run where admission runs, timed.
+    """
 
     def __init__(self) -> None:
         self._names: set[str] = set()
+        self._tried: set[str] = set()  # (a first call came back in time)
 
     def __contains__(self, task_name: object) -> bool:
         return task_name in self._names
 
-    def timed(self, task_name: str, took: float) -> None:
+    def call(self, task_name: str, fn: Callable[[], T]) -> T | None:
+        """``fn()`` (a key and limit function's call) for ``task_name``; None if it is too
+        slow for here (its task asks in its pool child). Exceptions come through."""
+        if task_name in self._tried:
+            started = time.monotonic()
+            try:
+                return fn()
+            finally:
+                self.timed(task_name, time.monotonic() - started)
+        outcome: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def first_call() -> None:
+            try:
+                outcome.append((True, fn()))
+            except BaseException as exc:  # (handed to the caller below)
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+        started = time.monotonic()
+        threading.Thread(target=first_call, name="redsem-first-key", daemon=True).start()
+        if not done.wait(SLOW_KEY_FUNCTION):
+            self.timed(task_name, time.monotonic() - started, still_running=True)
+            return None
+        self._tried.add(task_name)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        result: T = value
+        return result
+
+    def timed(self, task_name: str, took: float, *, still_running: bool = False) -> None:
         """Leave ``task_name`` to the pool children if its key function took ``took`` seconds
         (over :data:`SLOW_KEY_FUNCTION`): in the main process it holds up every dispatch."""
-        if took > SLOW_KEY_FUNCTION and task_name not in self._names:
+        if (still_running or took > SLOW_KEY_FUNCTION) and task_name not in self._names:
             self._names.add(task_name)
             logger.warning(
-                "celery_redsem: the key function of %s took %.3fs in the worker's main process, "
-                "where it holds up the dispatch of every task; from now on %s asks for its "
-                "permit in its pool child. Make the key a quick function of the arguments "
+                "celery_redsem: the key function of %s took %s%.3fs in the worker's main "
+                "process, where it holds up the dispatch of every task; from now on %s asks for "
+                "its permit in its pool child. Make the key a quick function of the arguments "
                 "(no database or network calls) to keep admission at dispatch.",
                 task_name,
+                "over " if still_running else "",
                 took,
                 task_name,
             )

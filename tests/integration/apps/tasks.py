@@ -373,6 +373,24 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def slow_key_task(self: Any, key: str) -> dict[str, Any]:
         return describe(self.request)
 
+    first_calls: set[str] = set()  # (keys whose key function ran in this process)
+
+    def slow_at_first(key: str) -> str:
+        if key not in first_calls:  # a cache to fill, a database to reach: once per process
+            first_calls.add(key)
+            counter().rpush(f"{prefix}:t:keypids:{key}", os.getpid())
+            time.sleep(3.0)
+        return f"slowfirst:{key}"
+
+    @app.task(shared=False, name="t.slow_first", max_retries=0)
+    @with_lock(key=slow_at_first)
+    def slow_first(key: str) -> str:
+        return "ran"
+
+    @app.task(shared=False, name="t.plain", max_retries=0)
+    def plain(key: str) -> str:
+        return key
+
     @app.task(shared=False, name="t.budget")
     @with_lock(key=lambda key: f"budget:{key}", max_wait=0.5)
     def budget(key: str) -> str:
