@@ -11,7 +11,10 @@ from celery import Celery
 
 from celery_redsem import get_client
 from celery_redsem.integration.settings import SPARE_CONNECTIONS, expect_concurrency
-from celery_redsem.integration.worker.start_checks import check_broker_pool
+from celery_redsem.integration.worker.start_checks import (
+    check_broker_pool,
+    check_visibility_timeout,
+)
 from tests.integration.apps.tasks import make_app
 from tests.integration.conftest import close_app
 
@@ -60,3 +63,13 @@ def test_no_broker_pool_warning_where_it_fits(fresh_app: Celery) -> None:
     fresh_app.conf.broker_url = "amqp://guest@127.0.0.1//"
     fresh_app.conf.broker_transport_options = {}
     assert check_broker_pool(fresh_app, "gevent", 100) is None  # not a Redis broker
+
+
+def test_a_visibility_timeout_too_short_for_parking_is_warned_about(fresh_app: Celery) -> None:
+    assert check_visibility_timeout(fresh_app) is None  # unset: Celery's hour
+    fresh_app.conf.broker_transport_options = {"visibility_timeout": 10}
+    warning = check_visibility_timeout(fresh_app) or ""
+    assert "visibility_timeout is 10s" in warning
+    assert "'visibility_timeout': 600" in warning
+    fresh_app.conf.broker_transport_options = {"visibility_timeout": 3600}
+    assert check_visibility_timeout(fresh_app) is None

@@ -25,6 +25,7 @@ from celery_redsem.core.errors import (
     is_transient,
 )
 from celery_redsem.integration.guards.base import Guard, iter_guarded_tasks
+from celery_redsem.integration.policy import MAX_PARKED
 from celery_redsem.integration.settings import (
     RedsemConfig,
     get_client,
@@ -40,6 +41,7 @@ __all__ = [
     "check_eviction_policy",
     "check_late_acks",
     "check_task_leases",
+    "check_visibility_timeout",
     "refuse_without_redis",
     "start_warnings",
 ]
@@ -127,8 +129,10 @@ class StartChecks(bootsteps.StartStopStep):
         found = getattr(parent, "redsem_start_warnings", [])  # (admission's, say)
         concurrency = int(getattr(parent, "concurrency", 0) or 0)
         pool = check_broker_pool(parent.app, parent.pool_cls, concurrency)
-        for warning in [*found, *start_warnings(parent.app), *([pool] if pool else [])]:
-            logger.warning(warning)
+        visibility = check_visibility_timeout(parent.app)
+        for warning in [*found, *start_warnings(parent.app), pool, visibility]:
+            if warning:
+                logger.warning(warning)
 
 
 #: kombu's Redis transport: connections per channel pool unless max_connections says.
@@ -152,6 +156,28 @@ def check_broker_pool(app: Celery, pool_cls: Any, concurrency: int) -> str | Non
         "together run out of connections, and the broker then delivers those tasks again. Set "
         f"broker_transport_options = {{'max_connections': {concurrency + 10}}} (in Django "
         "settings: CELERY_BROKER_TRANSPORT_OPTIONS)"
+    )
+
+
+def check_visibility_timeout(app: Celery) -> str | None:
+    """A warning if the Redis broker's ``visibility_timeout`` is too short for parking: a task
+    waits parked (unacknowledged) for at most half of it, then goes back through the broker
+    (a retry), so a long line would cycle through the broker instead of waiting in the
+    worker; and a worker holds an ETA task (a retry's countdown) unacknowledged too."""
+    if not _redis_broker(app):
+        return None
+    options = app.conf.broker_transport_options or {}
+    visibility = options.get("visibility_timeout")
+    if not isinstance(visibility, int | float) or isinstance(visibility, bool):
+        return None
+    if visibility >= 2 * MAX_PARKED:
+        return None
+    return (
+        f"celery_redsem: the Redis broker's visibility_timeout is {visibility:g}s: a guarded task "
+        f"waits parked in the worker for at most half of it ({visibility / 2:g}s), then goes "
+        "back through the broker, so a long line cycles through retries; set "
+        f"broker_transport_options = {{'visibility_timeout': {int(2 * MAX_PARKED)}}} or more "
+        "(Celery's default is 3600)"
     )
 
 
