@@ -4,6 +4,9 @@ a server that stops answering and a connection the server closes."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -139,3 +142,62 @@ def test_clients_it_does_not_suit_get_asks_that_wait(
     ask(waiting, sem, answers, "x")
     assert len(answers) == 1  # answered before ask() returned
     assert isinstance(answers[0], Permit)
+
+
+class SlowLink:
+    """A TCP proxy to ``upstream`` that delays every reply by ``delay`` seconds (a far server)."""
+
+    def __init__(self, upstream: tuple[str, int], delay: float) -> None:
+        self.upstream, self.delay = upstream, delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._sockets = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.upstream)
+            self._sockets += [down, up]
+            threading.Thread(target=self._pump, args=(down, up, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket, delay: float) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if delay:
+                    time.sleep(delay)  # (the link's latency, not a test waiting)
+                sink.sendall(data)
+
+
+def test_a_lost_script_on_a_slow_link_is_not_taken_for_a_server_that_does_not_answer(
+    hub: Hub, prefix: str
+) -> None:
+    # 0.4 s a reply, a 1 s socket timeout: the ask, the script's load and the ask again take
+    # 1.2 s together, but each call answers within the timeout (the first ask after a start
+    # tripped admission's timeout, and admission then paused for 5 s).
+    with embedded_valkey() as url:
+        server = redis.Redis.from_url(url)
+        link = SlowLink(("127.0.0.1", server.connection_pool.connection_kwargs["port"]), 0.4)
+        client = redis.Redis(host="127.0.0.1", port=link.port, socket_timeout=1.0)
+        try:
+            sem = FairSemaphore(client, "far", 1, prefix=prefix)
+            server.script_flush()
+            asks = PipelinedAsks(hub, client)
+            answers: list[Answer] = []
+            ask(asks, sem, answers, "run-0")
+            run_until(hub, lambda: bool(answers), 10)
+            assert isinstance(answers[0], Permit), answers
+        finally:
+            client.close()
+            link.close()
+            server.close()

@@ -21,6 +21,7 @@ and calls back before it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -129,6 +130,9 @@ class PipelinedAsks(Asks):
     def _send(self, ask: _Ask) -> None:
         try:
             connection = self._connected()
+            # Its deadline counts from now: connecting (on a slow link, the handshake's round
+            # trips) is not the ask's time.
+            ask = dataclasses.replace(ask, sent_at=time.monotonic())
             connection.send_packed_command(
                 connection.pack_command(*ask.command), check_health=False
             )
@@ -187,7 +191,7 @@ class PipelinedAsks(Asks):
             except BackendError as exc:
                 _call(ask.done, exc)
                 return
-            self._send(ask)
+            self._send(ask)  # (with a deadline of its own: see _send)
             return
         answer: Answer
         if isinstance(reply, ResponseError):
