@@ -338,3 +338,19 @@ def test_an_operators_name_and_id_with_control_characters_are_shown_escaped(
         assert "\x1b" not in out, args
         assert "\r" not in out, args
     assert held is not None
+
+
+def test_status_lists_the_first_waiters_and_counts_the_rest(app, redis_client, prefix):
+    # A hot key's line of 180 printed 180 lines; --max counts semaphores, not waiters.
+    sem = FairSemaphore(redis_client, "hot", 1, prefix=prefix, lease=30)
+    sem.acquire(permit_id="holder")
+    for i in range(30):
+        sem.attempt(f"w{i:02d}", join_line=True)
+    lines = run(app, "status", "hot").output.splitlines()
+    waiters = [line for line in lines if line.strip().startswith("waiter")]
+    assert [w.split()[2] for w in waiters] == [f"w{i:02d}" for i in range(20)]
+    assert lines[-1].strip() == "... and 10 more waiting (--waiters)"
+    fewer = run(app, "status", "hot", "--waiters", "3").output.splitlines()
+    assert sum(line.strip().startswith("waiter") for line in fewer) == 3
+    data = json.loads(run(app, "status", "hot", "--json").stdout)
+    assert len(data["semaphores"][0]["waiters"]) == 30  # JSON keeps them all

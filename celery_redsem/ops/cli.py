@@ -45,6 +45,8 @@ from celery_redsem.ops.admin import (
 __all__ = ["redsem"]
 
 DEFAULT_MAX = 200
+#: Waiters of each semaphore `status` lists (in text) unless told otherwise.
+DEFAULT_WAITERS = 20
 
 
 @dataclass
@@ -137,12 +139,18 @@ def _holder_lines(state: SemaphoreState) -> list[str]:
     ]
 
 
-def _waiter_lines(state: SemaphoreState) -> list[str]:
-    return [
+def _waiter_lines(state: SemaphoreState, most: int | None = None) -> list[str]:
+    """A line per waiter, first in line first; past ``most`` (None: no cap), one line that
+    says how many more."""
+    shown = state.waiters if most is None else state.waiters[:most]
+    lines = [
         f"  waiter  #{n}  {_shown(w.permit_id)}  ticket {w.ticket}  "
         f"place kept {_seconds(w.remaining_ms)}"
-        for n, w in enumerate(state.waiters, start=1)
+        for n, w in enumerate(shown, start=1)
     ]
+    if len(state.waiters) > len(shown):
+        lines.append(f"  ... and {len(state.waiters) - len(shown)} more waiting (--waiters)")
+    return lines
 
 
 def _ttls(client: RedisClient, keys: list[str]) -> dict[str, int]:
@@ -217,10 +225,24 @@ _pattern_option = click.option(
     show_default=True,
     help="Show at most this many semaphores (sorted by name).",
 )
+@click.option(
+    "--waiters",
+    "max_waiters",
+    type=click.IntRange(min=0),
+    default=DEFAULT_WAITERS,
+    show_default=True,
+    help="Show at most this many waiters of each semaphore, first in line first (text only).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
 def status(
-    ctx: click.Context, name: str | None, pattern: str | None, max_count: int, as_json: bool
+    ctx: click.Context,
+    name: str | None,
+    pattern: str | None,
+    *,
+    max_count: int,
+    max_waiters: int,
+    as_json: bool,
 ) -> None:
     """The semaphore NAME, those whose name matches --pattern, or (neither) every semaphore.
 
@@ -264,7 +286,7 @@ def status(
         return
     for state in found:
         click.echo(_summary_line(ctx, state))
-        for line in _holder_lines(state) + _waiter_lines(state):
+        for line in _holder_lines(state) + _waiter_lines(state, max_waiters):
             click.echo(line)
     more = total - len(found) - len(skipped)
     if more > 0:
@@ -309,8 +331,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     if not exists and not limited:
         if not as_json:
             click.echo(
-                f"No semaphore {_shown(name)} under prefix {_shown(target.prefix)}, and no rate "
-                "limiter.",
+                f"No semaphore {name!r} under prefix {target.prefix!r}, and no rate limiter.",
                 err=True,
             )
         ctx.exit(1)
