@@ -213,9 +213,9 @@ class RedsemConfig:
         return self.redis_url
 
     @classmethod
-    def from_conf(cls, conf: Mapping[str, Any]) -> RedsemConfig:
+    def from_conf(cls, conf: Mapping[str, Any], namespace: str | None = None) -> RedsemConfig:
         """Read and validate the settings from an app's ``conf`` (or any mapping)."""
-        read = _Reader(conf)
+        read = _Reader(conf, namespace)
         url, source = _redis_url(conf, read)
         return cls(
             redis_url=url,
@@ -253,8 +253,9 @@ _TIMING_OPTIONS: Mapping[str, Rule] = {
 class _Reader:
     """Typed access to ``redsem_*`` settings; errors name the setting."""
 
-    def __init__(self, conf: Mapping[str, Any]) -> None:
+    def __init__(self, conf: Mapping[str, Any], namespace: str | None = None) -> None:
         self.conf = conf
+        self.namespace = namespace  # of settings loaded with config_from_object(namespace=)
 
     def get(self, name: str) -> Any:
         """The value set for ``name``; the default if unset (or None where None means nothing)."""
@@ -263,10 +264,15 @@ class _Reader:
             return _DEFAULTS[name]
         return value
 
+    def _spelled(self, name: str) -> str:
+        """``name`` as the app's settings spell it (Django: ``CELERY_REDSEM_...``)."""
+        if self.namespace:
+            return f"{self.namespace}_{name.upper()} ({name})"
+        return name
+
     def _fail(self, name: str, expected: str, value: object) -> ConfigurationError:
         return ConfigurationError(
-            f"setting {name} (Django: CELERY_{name.upper()}) must be {expected}, "
-            f"got {safe_repr(value)}"
+            f"setting {self._spelled(name)} must be {expected}, got {safe_repr(value)}"
         )
 
     def checked(self, name: str, rule: Rule) -> Any:
@@ -362,7 +368,7 @@ def get_config(app: Celery) -> RedsemConfig:
     with _lock:
         config = _configs.get(app)
         if config is None:
-            config = RedsemConfig.from_conf(app.conf)
+            config = RedsemConfig.from_conf(app.conf, getattr(app, "namespace", None))
             _configs[app] = config
             _warn_about_unknown_settings(app.conf)
         return config

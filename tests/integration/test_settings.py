@@ -121,11 +121,21 @@ def test_a_client_option_or_url_redis_py_rejects_fails_before_any_task(
     ],
 )
 def test_bad_settings_name_the_setting(name: str, value: object, fragment: str) -> None:
-    with pytest.raises(
-        ConfigurationError, match=f"{name} \\(Django: CELERY_{name.upper()}\\)"
-    ) as info:
+    with pytest.raises(ConfigurationError, match=f"setting {name} must be") as info:
         get_config(_app(**{name: value}))
     assert fragment in str(info.value)
+    assert "CELERY_" not in str(info.value)  # not a Django app
+
+
+def test_a_bad_django_setting_is_named_as_django_spells_it() -> None:
+    class Settings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_REDSEM_LEASE = -1
+
+    app = Celery("django-like", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=r"setting CELERY_REDSEM_LEASE \(redsem_lease\)"):
+        get_config(app)
 
 
 def test_config_and_client_are_per_app(redis_url: str) -> None:
