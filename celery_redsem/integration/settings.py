@@ -45,10 +45,13 @@ __all__ = [
     "SPARE_CONNECTIONS",
     "RedsemConfig",
     "Setting",
+    "defer_setting_warnings",
+    "deferred_setting_warnings",
     "expect_concurrency",
     "get_client",
     "get_config",
     "reset",
+    "unknown_setting_warnings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -345,6 +348,7 @@ def _first_url(value: object) -> str | None:
 
 _lock = threading.Lock()
 _configs: weakref.WeakKeyDictionary[Celery, RedsemConfig] = weakref.WeakKeyDictionary()
+_deferred_warnings: weakref.WeakSet[Celery] = weakref.WeakSet()
 _clients: weakref.WeakKeyDictionary[Celery, tuple[int, RedisClient]] = weakref.WeakKeyDictionary()
 
 
@@ -370,33 +374,52 @@ def get_config(app: Celery) -> RedsemConfig:
         if config is None:
             config = RedsemConfig.from_conf(app.conf, getattr(app, "namespace", None))
             _configs[app] = config
-            _warn_about_unknown_settings(app.conf)
+            if app not in _deferred_warnings:
+                for warning in unknown_setting_warnings(app.conf):
+                    logger.warning("%s", warning)
         return config
 
 
-def _warn_about_unknown_settings(conf: Mapping[str, Any]) -> None:
-    """Log a warning for each ``redsem_*`` key that is not read: a typo, or a setting spelled
-    in a way ``app.conf`` does not map to it (``REDSEM_LEASE``; ``CELERY_REDSEM_LEASE`` loaded
+def defer_setting_warnings(app: Celery) -> None:
+    """Keep the unknown-setting warnings of ``app`` for :func:`deferred_setting_warnings`:
+    a worker reads its settings before its logging is set up, and logs them once it is."""
+    app = _real_app(app)
+    with _lock:
+        if app not in _configs:  # else they are logged already
+            _deferred_warnings.add(app)
+
+
+def deferred_setting_warnings(app: Celery) -> list[str]:
+    """The unknown-setting warnings kept by :func:`defer_setting_warnings` (once)."""
+    app = _real_app(app)
+    with _lock:
+        if app not in _deferred_warnings:
+            return []
+        _deferred_warnings.discard(app)
+    return unknown_setting_warnings(app.conf)
+
+
+def unknown_setting_warnings(conf: Mapping[str, Any]) -> list[str]:
+    """A warning for each ``redsem_*`` key that is not read: a typo, or a setting spelled in
+    a way ``app.conf`` does not map to it (``REDSEM_LEASE``; ``CELERY_REDSEM_LEASE`` loaded
     without ``namespace="CELERY"``)."""
+    warnings = []
     for key in map(str, list(conf.keys())):
         name = key.lower().removeprefix("celery_")
         if name in _DEFAULTS and key != name and conf.get(name, _UNSET) is _UNSET:
-            logger.warning(
-                "celery_redsem: %s is not read; write it as %s (or CELERY_%s in Django "
-                "settings loaded with namespace='CELERY')",
-                key,
-                name,
-                name.upper(),
+            warnings.append(
+                f"celery_redsem: {key} is not read; write it as {name} (or CELERY_"
+                f"{name.upper()} in Django settings loaded with namespace='CELERY')"
             )
         elif name.startswith("redsem_") and name not in _DEFAULTS:
             close = difflib.get_close_matches(name, _DEFAULTS, n=1)
             if close and key.isupper():  # as Django writes it
                 close[0] = key[: len(key) - len(name)] + close[0].upper()
-            logger.warning(
-                "celery_redsem: %s is not a celery_redsem setting and is ignored%s",
-                key,
-                f"; did you mean {close[0]}?" if close else "",
+            warnings.append(
+                f"celery_redsem: {key} is not a celery_redsem setting and is ignored"
+                + (f"; did you mean {close[0]}?" if close else "")
             )
+    return warnings
 
 
 def refresh_stall_warning(config: RedsemConfig, lease: float, whose: str) -> str | None:

@@ -79,11 +79,17 @@ def test_an_unreachable_redis_starts_and_warnings_are_logged_with_a_level(
     redis_url: str, module_prefix: str, tmp_path: Path
 ) -> None:
     # A configured server that does not answer is no reason to refuse: tasks retry. The start
-    # warnings go through the worker's logging (time and level), not bare to stderr.
+    # warnings go through the worker's logging (time and level), not bare to stderr; so do
+    # those about a misspelled setting, read before the worker's logging is set up.
     unreachable = f"redis://127.0.0.1:{free_port()}/0"
-    conf = {"redsem_redis_url": unreachable, "task_acks_late": True}
+    conf = {"redsem_redis_url": unreachable, "task_acks_late": True, "redsem_leas": 5}
     with _worker(redis_url, module_prefix, tmp_path, "unreachable", **conf) as proc:
         proc.wait_ready()
         log = proc.log()
         assert "WARNING/MainProcess] celery_redsem: guarded tasks with acks_late" in log, log
         assert "WARNING/MainProcess] celery_redsem: cannot reach the semaphores' Redis" in log
+        (typo,) = [line for line in log.splitlines() if "redsem_leas " in line]
+        assert typo.endswith(
+            "WARNING/MainProcess] celery_redsem: redsem_leas is not a celery_redsem setting "
+            "and is ignored; did you mean redsem_lease?"
+        ), log

@@ -30,7 +30,11 @@ from celery_redsem.integration import seam
 from celery_redsem.integration.admission.dispatcher import Admission
 from celery_redsem.integration.dedupe.sender import install_dedupe, mark_received
 from celery_redsem.integration.guards.base import iter_guarded_tasks
-from celery_redsem.integration.settings import expect_concurrency, get_config
+from celery_redsem.integration.settings import (
+    defer_setting_warnings,
+    expect_concurrency,
+    get_config,
+)
 from celery_redsem.integration.worker.request import (
     has_child_processes,
     install_request_class,
@@ -93,6 +97,7 @@ def on_worker_init(controller: Any) -> None:
     guarded = [task for task, _guards in iter_guarded_tasks(app)]
     if not guarded:
         return
+    defer_setting_warnings(app)  # StartChecks logs them once the worker's logging is set up
     pool_cls = getattr(controller, "pool_cls", None)
     if not has_child_processes(pool_cls):  # threads, gevent, eventlet: tasks share a client
         expect_concurrency(app, int(getattr(controller, "concurrency", 0) or 0))

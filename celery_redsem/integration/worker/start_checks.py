@@ -28,6 +28,7 @@ from celery_redsem.integration.guards.base import Guard, iter_guarded_tasks
 from celery_redsem.integration.policy import MAX_PARKED
 from celery_redsem.integration.settings import (
     RedsemConfig,
+    deferred_setting_warnings,
     get_client,
     get_config,
     refresh_stall_warning,
@@ -195,6 +196,7 @@ def start_warnings(app: Celery) -> list[str]:
         return []
     config = get_config(app)
     warnings = [
+        *deferred_setting_warnings(app),
         check_late_acks(app, [task for task, _guards in with_guards]),
         refresh_stall_warning(config, config.lease, "redsem_lease"),
         *check_task_leases(config, with_guards),
