@@ -380,7 +380,7 @@ class Admission:
             longest=candidate.longest,
         )
         waited = (now_ms - first_ms) / 1000
-        max_wait = candidate.guard.max_wait_for(candidate.config)
+        max_wait = candidate.guard.max_wait_for(candidate.config.max_wait)
         if max_wait is not None:
             if waited >= max_wait:  # the child fails it with AcquireTimeout
                 if not self._hold_for_slot(candidate, result):

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
 from celery import Celery, Task
 
 from celery_redsem.core.validation import seconds_rule
 from celery_redsem.integration.guards.naming import KeyFunction, KeyNaming
-
-if TYPE_CHECKING:
-    from celery_redsem.integration.settings import RedsemConfig
 
 __all__ = ["GUARD_ATTR", "Guard", "guards_of", "iter_guarded_tasks"]
 
@@ -67,9 +64,10 @@ class Guard:
         """The semaphore (or limiter) name for one call (``args`` as the function gets them)."""
         return self.naming.name_for(task_name, args, kwargs)
 
-    def max_wait_for(self, config: RedsemConfig) -> float | None:
-        """This guard's wait budget in seconds under ``config`` (None: no cap)."""
-        max_wait = self.max_wait if self.max_wait is not None else config.max_wait
+    def max_wait_for(self, app_max_wait: float | None) -> float | None:
+        """This guard's wait budget in seconds, its own or else the app's ``redsem_max_wait``
+        (None: no cap)."""
+        max_wait = self.max_wait if self.max_wait is not None else app_max_wait
         return None if max_wait is None or math.isinf(max_wait) else max_wait
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

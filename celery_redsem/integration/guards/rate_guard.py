@@ -133,7 +133,7 @@ class RateGuard(Guard, kind="rate"):
         name = self.naming.name_for(
             task.name, call_arguments(task, request.args), request.kwargs or {}
         )
-        max_wait = self.max_wait_for(config)
+        max_wait = self.max_wait_for(config.max_wait)
         ahead = horizon if max_wait is None else min(horizon, max_wait)
         if ahead <= 0:
             return None
@@ -156,7 +156,7 @@ class RateGuard(Guard, kind="rate"):
         call: tuple[tuple[Any, ...], dict[str, Any]],
     ) -> None:
         """Return once admitted; else re-publish the run for its slot (raises ``Retry``)."""
-        max_wait = self.max_wait_for(config)
+        max_wait = self.max_wait_for(config.max_wait)
         what = f"a start of rate limiter {limiter.name!r} ({self.rate_text})"
         ask = Contention(task, request, limiter.name, what, max_wait, config)
         permit_id = permit_id_of(request)

@@ -258,7 +258,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         task, name, config = call.task, call.name, call.config
         assert task is not None
         what = f"a permit of {name!r} (limit {call.limit})"
-        ask = Contention(task, request, name, what, self.max_wait_for(config), config)
+        ask = Contention(task, request, name, what, self.max_wait_for(config.max_wait), config)
         try:  # building a cluster client already talks to the cluster
             sem = self.semaphore(task.app, name, config, call.limit)
         except BackendError as exc:
