@@ -47,6 +47,7 @@ __all__ = [
     "SlotQueue",
     "Slots",
     "active_apps",
+    "call_once_when_run_ends",
     "hook_dispatch",
     "in_loop",
     "live_request",
@@ -167,6 +168,28 @@ def unwritten_tasks(controller: Any) -> bool:
 # -- dispatch --------------------------------------------------------------------------------------
 
 
+def call_once_when_run_ends(req: Any, then: Callable[[], object]) -> None:
+    """Call ``then`` once when the run of the request ``req`` ends, however it ends: after its
+    ``on_success`` or ``on_failure`` (whichever Celery calls first; a retried or rejected run
+    calls one of them too)."""
+    ended = False
+
+    def wrap(callback: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            nonlocal ended
+            try:
+                return callback(*args, **kwargs)
+            finally:
+                if not ended:
+                    ended = True
+                    then()
+
+        return wrapped
+
+    req.on_success = wrap(req.on_success)
+    req.on_failure = wrap(req.on_failure)
+
+
 class Slots(Protocol):
     """A worker's pool slots as admission uses them (:class:`SlotQueue`, and the green pools'
     :class:`~celery_redsem.integration.admission.green.GreenSlots`)."""
@@ -248,22 +271,7 @@ class SlotQueue:
         :func:`hook_dispatch`), in the event loop."""
         call_in_loop = self._call_in_loop
         assert call_in_loop is not None
-        ended = False
-
-        def wrap(callback: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapped(*args: Any, **kwargs: Any) -> Any:
-                nonlocal ended
-                try:
-                    return callback(*args, **kwargs)
-                finally:
-                    if not ended:
-                        ended = True
-                        call_in_loop(self.give_back)
-
-            return wrapped
-
-        req.on_success = wrap(req.on_success)
-        req.on_failure = wrap(req.on_failure)
+        call_once_when_run_ends(req, lambda: call_in_loop(self.give_back))
 
     @property
     def free(self) -> int:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import getpass
 import json
 import socket
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -214,24 +215,33 @@ _pattern_option = click.option(
 )
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _at_most_option(
+    flag: str, dest: str, minimum: int, default: int, what: str
+) -> Callable[[_F], _F]:
+    """An option capping how many of ``what`` are shown."""
+    return click.option(
+        flag,
+        dest,
+        type=click.IntRange(min=minimum),
+        default=default,
+        show_default=True,
+        help=f"Show at most this many {what}.",
+    )
+
+
 @redsem.command()
 @click.argument("name", required=False)
 @_pattern_option
-@click.option(
-    "--max",
-    "max_count",
-    type=click.IntRange(min=1),
-    default=DEFAULT_MAX,
-    show_default=True,
-    help="Show at most this many semaphores (sorted by name).",
-)
-@click.option(
+@_at_most_option("--max", "max_count", 1, DEFAULT_MAX, "semaphores (sorted by name)")
+@_at_most_option(
     "--waiters",
     "max_waiters",
-    type=click.IntRange(min=0),
-    default=DEFAULT_WAITERS,
-    show_default=True,
-    help="Show at most this many waiters of each semaphore, first in line first (text only).",
+    0,
+    DEFAULT_WAITERS,
+    "waiters of each semaphore, first in line first (text only)",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context

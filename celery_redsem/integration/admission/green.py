@@ -25,6 +25,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from celery_redsem.integration.seam import call_once_when_run_ends
+
 __all__ = ["SWEEP_EVERY", "GreenLoop", "GreenSlots", "green_library"]
 
 logger = logging.getLogger(__name__)
@@ -146,22 +148,7 @@ class GreenSlots:
     def give_back_at_end(self, req: Any) -> None:
         """Give ``req``'s slot back when its run ends (in the dispatcher), and have the
         dispatcher send its acknowledgement (see the module docstring)."""
-        ended = False
-
-        def wrap(callback: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapped(*args: Any, **kwargs: Any) -> Any:
-                nonlocal ended
-                try:
-                    return callback(*args, **kwargs)
-                finally:
-                    if not ended:
-                        ended = True
-                        self._loop.call_soon(self.give_back)
-
-            return wrapped
-
-        req.on_success = wrap(req.on_success)
-        req.on_failure = wrap(req.on_failure)
+        call_once_when_run_ends(req, lambda: self._loop.call_soon(self.give_back))
         acknowledge = req.acknowledge
         req.acknowledge = lambda: self._loop.call_soon(acknowledge)
 
