@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint types pytest docs demo bench bench-core bench-celery bench-burst bench-rate clean
+.PHONY: test lint types pytest docs demo bench bench-core bench-celery bench-burst bench-pools bench-rate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ bench-celery: $(STAMP)
 # One hot key's 1,000-deep burst (issue 19's backlog scenario) on both brokers.
 bench-burst: $(STAMP)
 	$(PY) -m benchmarks.celery_e2e --scenario backlog $(BENCH_ARGS)
+
+# Issue 38: backlog, uncontended, mixed and the stop ledger (SIGTERM, SIGKILL mid-burst) on
+# threads -c 20, gevent -c 100 and eventlet -c 100, then hot-mixed on gevent -c 200; both
+# brokers (RabbitMQ skipped with a printed line where none answers on 127.0.0.1:5672).
+bench-pools: $(STAMP)
+	$(PY) -m benchmarks.celery_e2e --pool threads,gevent,eventlet \
+		--scenario backlog,uncontended,mixed,pools $(BENCH_ARGS)
+	$(PY) -m benchmarks.celery_e2e --pool gevent --scenario hot-mixed $(BENCH_ARGS)
 
 # Per-key rate: @with_rate_limit against Celery's rate_limit, two workers, both brokers.
 bench-rate: $(STAMP)

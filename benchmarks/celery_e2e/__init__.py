@@ -1,4 +1,4 @@
-"""End-to-end Celery benchmark: per-key limits through real prefork workers.
+"""End-to-end Celery benchmark: per-key limits through real workers of every pool.
 
 Run with ``make bench-celery`` (every scenario, both brokers) or ``python -m
 benchmarks.celery_e2e [--scenario NAME[,NAME]] [--brokers redis,amqp] [--scale F]``. One
@@ -55,6 +55,16 @@ measured mean body time: ``utilization`` = ideal makespan / real makespan, and `
 compares wait percentiles (``n/a`` when the ideal p99 is under 1 ms). ``--dump PATH`` writes
 each phase's send times and body records to ``PATH.<broker>.<phase>.json`` for a closer look
 (:mod:`benchmarks.celery_e2e.dump_report` shows where a batch lost time).
+
+Pools (issue 38): ``--pool threads,gevent,eventlet`` runs each scenario on each pool
+(``-c`` 20, 100 and 100 unless ``--pool-concurrency`` says otherwise, in place of prefork's
+``-c 4`` and the mixed ``-c 8``; the backlog baseline is a worker of the same pool ``-c 2``,
+the plain batches run on the same workers). Pace target there: >= 0.85. Two scenarios more,
+not in ``all``: ``pools`` (:mod:`~benchmarks.celery_e2e.stops`: the burst run through, then
+stopped mid-way by a SIGTERM and by a SIGKILL of its worker, with the ledger of every task,
+:mod:`~benchmarks.celery_e2e.ledger`) and ``hot-mixed`` (:mod:`~benchmarks.celery_e2e.hot`:
+2,000 x 100 ms over 200 keys, one hot, against the ideal). ``make bench-pools`` runs them.
+Each scenario's host line ends with the pool and the 1-minute load average as it began.
 
 The modules, by role: :mod:`~benchmarks.celery_e2e.app` (the workers' Celery app: the task
 variants and what their bodies record; its configuration read from the environment in one

@@ -18,7 +18,13 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_postrun, task_prerun, task_received, worker_shutdown
+from celery.signals import (
+    task_failure,
+    task_postrun,
+    task_prerun,
+    task_received,
+    worker_shutdown,
+)
 
 from celery_redsem import FairSemaphore, Permit, contention_retries, get_client, with_semaphore
 
@@ -33,9 +39,13 @@ ENV_NAIVE_COUNTDOWN = "REDSEM_BENCH_NAIVE_COUNTDOWN"
 ENV_SETTINGS = "REDSEM_BENCH_SETTINGS"
 ENV_STAMPS = "REDSEM_BENCH_STAMPS"
 
+# A body counts itself in (an over-admission if over the limit) and records its start, in one
+# round trip: the stop scenarios' ledger (:mod:`benchmarks.celery_e2e.ledger`) needs the bodies
+# that began and never ended.
 _ENTER = """
 local c = redis.call('INCR', KEYS[1])
 if c > tonumber(ARGV[1]) then redis.call('INCR', KEYS[2]) end
+redis.call('RPUSH', KEYS[3], ARGV[2])
 return c
 """
 
@@ -81,7 +91,9 @@ def make_app(
     def body(mode: str, tag: str, key: str, sent: float, seconds: float, request: Any) -> None:
         start = time.time()
         counter = f"{prefix}:b:{tag}:cur:{key}"
-        client().eval(_ENTER, 2, counter, f"{prefix}:b:{tag}:over", limit)
+        started = {"id": request.id, "start": start, "pid": os.getpid()}
+        keys = (counter, f"{prefix}:b:{tag}:over", f"{prefix}:b:{tag}:started")
+        client().eval(_ENTER, 3, *keys, limit, json.dumps(started))
         time.sleep(seconds)
         client().decr(counter)
         end = time.time()
@@ -102,6 +114,11 @@ def make_app(
     @app.task(shared=False, bind=True, name="bench.fair")
     @with_semaphore(limit=limit, key=lambda key: f"fair:{key}")
     def fair(self: Any, key: str, sent: float, seconds: float, tag: str = "fair") -> None:
+        body("fair", tag, key, sent, seconds, self.request)
+
+    @app.task(shared=False, bind=True, name="bench.fair_late", acks_late=True)
+    @with_semaphore(limit=limit, key=lambda key: f"fair:{key}")
+    def fair_late(self: Any, key: str, sent: float, seconds: float, tag: str = "fair") -> None:
         body("fair", tag, key, sent, seconds, self.request)
 
     @app.task(shared=False, name="bench.warm")
@@ -164,6 +181,21 @@ class ChildStamps:
 
 
 child_stamps = ChildStamps()
+
+
+def record_failures(url: str, prefix: str) -> None:
+    """In a worker: push every failed task's id and error to ``prefix:b:failed`` (a task that
+    never ran, with a failure recorded, is no silent loss)."""
+
+    @task_failure.connect(weak=False)
+    def _failed(task_id: str = "", exception: BaseException | None = None, **_: Any) -> None:
+        client = redis.Redis.from_url(url)
+        try:
+            client.rpush(
+                f"{prefix}:b:failed", json.dumps({"id": task_id, "error": repr(exception)})
+            )
+        finally:
+            client.close()
 
 
 def count_deliveries(url: str, prefix: str, tag: str) -> None:
@@ -251,6 +283,7 @@ def worker_app(environ: Mapping[str, str] | None = None) -> Celery:
         config.broker_url,
     )
     count_deliveries(config.url, config.prefix, config.tag)
+    record_failures(config.url, config.prefix)
     if config.stamps:
         child_stamps.connect()
     return app

@@ -73,9 +73,51 @@ class Batch:
         return sum(r["retries"] for r in self.records)
 
 
+#: Each pool's default concurrency (``--pool-concurrency`` overrides it): issue 38's sizes for
+#: threads, gevent and eventlet; prefork's is each scenario's own (``-c 4``, the mixed ``-c 8``).
+POOL_CONCURRENCY = {"prefork": 4, "threads": 20, "gevent": 100, "eventlet": 100}
+
+
+def pool_name(args: argparse.Namespace) -> str:
+    return str(getattr(args, "pool", None) or "prefork")
+
+
+def pool_slots(args: argparse.Namespace, prefork: int | None = None) -> int:
+    """A worker's concurrency on the run's pool: ``--pool-concurrency`` if given, else
+    ``prefork`` (a scenario's own size) on prefork, else the pool's default."""
+    given = getattr(args, "pool_concurrency", None)
+    if given:
+        return int(given)
+    pool = pool_name(args)
+    return prefork if pool == "prefork" and prefork else POOL_CONCURRENCY[pool]
+
+
+def run_name(bench: Bench) -> str:
+    """The broker, and the pool unless it is prefork: ``redis``, ``amqp.gevent``."""
+    pool = pool_name(bench.args)
+    return bench.broker.name if pool == "prefork" else f"{bench.broker.name}.{pool}"
+
+
+def log_dir(args: argparse.Namespace) -> Path:
+    path = Path(getattr(args, "logs", None) or os.environ.get("TMPDIR", "/tmp"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def start_workers(
-    bench: Bench, tag: str, workers: int, concurrency: int, limit: int, logs: Path
+    bench: Bench,
+    tag: str,
+    workers: int,
+    concurrency: int,
+    limit: int,
+    logs: Path,
+    *,
+    names: list[str] | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
+    """``workers`` worker subprocesses on the run's pool (``--pool``), each in a session of its
+    own (a signal to its process group reaches its pool children), logging to ``logs``;
+    ``names`` their node names (default ``bench<i>``), ``settings`` more app settings."""
     args = bench.args
     config = WorkerConfig(
         url=bench.url,
@@ -84,7 +126,7 @@ def start_workers(
         limit=limit,
         tag=tag,
         naive_countdown=args.naive_countdown,
-        settings=args.settings,
+        settings={**args.settings, **(settings or {})},
         stamps=bool(args.dump),
     )
     env = {
@@ -93,13 +135,13 @@ def start_workers(
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     procs = []
-    for i in range(workers):
-        log = (logs / f"bench-worker-{bench.broker.name}-{tag}-{i}.log").open("wb")
+    for name in names or [f"bench{i}" for i in range(workers)]:
+        log = (logs / f"bench-worker-{run_name(bench)}-{tag}-{name}.log").open("wb")
         procs.append(
             subprocess.Popen(
                 [
                     *(sys.executable, "-m", "celery", "-A", WORKER_APP, "worker"),
-                    *("-P", "prefork", "-c", str(concurrency), "-n", f"bench{i}@%h"),
+                    *("-P", pool_name(args), "-c", str(concurrency), "-n", f"{name}@%h"),
                     *("-l", os.environ.get("REDSEM_BENCH_LOGLEVEL", "WARNING")),
                     *("--without-gossip", "--without-mingle", "--without-heartbeat"),
                     f"--prefetch-multiplier={args.prefetch}",
@@ -159,9 +201,7 @@ def worker_set(
 ) -> Iterator[list[int]]:
     """Fresh workers for one phase, ready and warmed up (their process ids); stopped (warm
     shutdown) afterwards."""
-    procs = start_workers(
-        bench, tag, workers, concurrency, limit, Path(os.environ.get("TMPDIR", "/tmp"))
-    )
+    procs = start_workers(bench, tag, workers, concurrency, limit, log_dir(bench.args))
     try:
         wait_workers_ready(bench.app, workers)
         warm = bench.args.warmup
@@ -233,27 +273,36 @@ def send_batch(
     """Send one task of ``mode`` per key (ids ``tag.<n>``) and wait until every body has run;
     the send times. With ``--pre-queue`` the ``workers`` stop consuming while the batch is sent,
     and every task counts as sent when they start again."""
-    task = bench.app.tasks[f"bench.{mode}"]
-    done_key = f"{bench.prefix}:b:{tag}:done"
     pre_queue = bench.args.pre_queue
     if pre_queue:
         _consume(bench, "cancel_consumer", workers)
+    sent = publish(bench, mode, tag, keys, seconds)
+    if pre_queue:
+        sent = [time.time()] * len(keys)
+        _consume(bench, "add_consumer", workers)
+    wait_done(bench, tag, len(keys))
+    return sent
+
+
+def publish(bench: Bench, mode: str, tag: str, keys: list[str], seconds: float) -> list[float]:
+    """Send one task of ``mode`` per key, ids ``tag.<n>``, at once; the send times."""
+    task = bench.app.tasks[f"bench.{mode}"]
     sent = []
     for i, key in enumerate(keys):
         now = time.time()
         sent.append(now)
         task.apply_async((key, now, seconds, tag), task_id=f"{tag}.{i}")
-    if pre_queue:
-        sent = [time.time()] * len(keys)
-        _consume(bench, "add_consumer", workers)
-    deadline = time.monotonic() + bench.args.timeout
-    while (done := bench.client.llen(done_key)) < len(keys):
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"{tag}: only {done}/{len(keys)} tasks done in {bench.args.timeout}s"
-            )
-        time.sleep(0.05)
     return sent
+
+
+def wait_done(bench: Bench, tag: str, count: int) -> None:
+    """Wait until ``count`` bodies of batch ``tag`` have run (``--timeout`` at most)."""
+    done_key = f"{bench.prefix}:b:{tag}:done"
+    deadline = time.monotonic() + bench.args.timeout
+    while (done := bench.client.llen(done_key)) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{tag}: only {done}/{count} tasks done in {bench.args.timeout}s")
+        time.sleep(0.05)
 
 
 def _consume(bench: Bench, command: str, workers: int) -> None:
@@ -272,7 +321,7 @@ def collect_batch(
     """What batch ``tag`` left behind, read once its workers (tagged ``worker_tag``) stopped."""
     records = [json.loads(r) for r in bench.client.lrange(f"{bench.prefix}:b:{tag}:done", 0, -1)]
     if bench.args.dump:
-        with open(f"{bench.args.dump}.{bench.broker.name}.{tag}.json", "w") as f:
+        with open(f"{bench.args.dump}.{run_name(bench)}.{tag}.json", "w") as f:
             json.dump({"sent": sent, "keys": keys, "records": records}, f)
     received: int | None = int(bench.client.get(f"{bench.prefix}:b:{tag}:received") or 0)
     if int(bench.client.get(f"{bench.prefix}:b:{worker_tag}:flushed") or 0) != workers:

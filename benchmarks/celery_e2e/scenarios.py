@@ -15,7 +15,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.celery_e2e.harness import Batch, Bench, run_batch, run_rounds
+from benchmarks.celery_e2e.harness import (
+    Batch,
+    Bench,
+    pool_name,
+    pool_slots,
+    run_batch,
+    run_rounds,
+)
 from benchmarks.celery_e2e.ideal import ideal_schedule, percentile
 from benchmarks.celery_e2e.tables import (
     Target,
@@ -27,9 +34,11 @@ from benchmarks.celery_e2e.tables import (
     row,
 )
 
-BACKLOG_GUARDED = (1, 4)  # one worker -c 4
-BACKLOG_SPREAD = (2, 4)  # two workers -c 4
-UNCONTENDED_WORKERS = (1, 4)
+BACKLOG_GUARDED = (1, 4)  # one worker -c 4 (on prefork; other pools: their concurrency)
+BACKLOG_SPREAD = (2, 4)  # two workers -c 4 (idem)
+UNCONTENDED_WORKERS = (1, 4)  # (idem)
+PACE = {"prefork": 0.9}  # the backlog's pace target: issue 19's on prefork, issue 38's else
+PACE_OTHER_POOLS = 0.85
 UNCONTENDED_LIMIT = 2
 IDEAL_P99_FLOOR = 0.001  # an ideal p99 below this makes p99 / ideal meaningless: n/a
 
@@ -72,14 +81,16 @@ def backlog(bench: Bench) -> bool:
     """One hot key's deep line, against the same tasks unguarded on a worker sized to the limit."""
     a = bench.args
     n, d, limit = scaled(a.backlog_tasks, a.scale), a.backlog_duration, a.backlog_limit
+    pool, c = pool_name(a), pool_slots(a, BACKLOG_GUARDED[1])
     print(
-        f"{n} tasks x {d * 1000:g} ms on one key, limit {limit}, prefetch {a.prefetch}; "
-        f"baseline: the same tasks unguarded on a dedicated worker -c {limit}"
+        f"{n} tasks x {d * 1000:g} ms on one key, limit {limit}, -P {pool}, prefetch "
+        f"{a.prefetch}; baseline: the same tasks unguarded on a dedicated worker "
+        f"-P {pool} -c {limit}"
     )
     base = run_batch(
         bench, "plain", "baseline", ["b-hot"] * n, d, workers=1, concurrency=limit, limit=limit
     )
-    phases = {"guarded": BACKLOG_GUARDED, "spread": BACKLOG_SPREAD}
+    phases = {"guarded": (BACKLOG_GUARDED[0], c), "spread": (BACKLOG_SPREAD[0], c)}
     runs = {"baseline": ((1, limit), base)}
     for tag, (workers, concurrency) in phases.items():
         keys = [f"{tag[0]}-hot"] * n
@@ -90,7 +101,7 @@ def backlog(bench: Bench) -> bool:
             ),
         )
     others = [f"other-{i}" for i in range(a.others)]
-    workers, concurrency = BACKLOG_GUARDED
+    workers, concurrency = phases["guarded"]
     hol = run_batch(
         bench,
         "fair",
@@ -105,12 +116,12 @@ def backlog(bench: Bench) -> bool:
     runs["hol burst"] = ((workers, concurrency), part(hol, {"h-hot"}, burst_received))
     late = part(hol, set(others))
 
-    columns = ["workers", "tasks", "makespan", "ideal", "pace", "re-pub/task", "deliv/task"]
-    header("phase", [*columns, "over"])
+    columns = ["workers", "tasks", "makespan", "ideal", "pace", "vs ideal", "re-pub/task"]
+    header("phase", [*columns, "deliv/task", "over"])
     for name, ((workers, concurrency), batch) in runs.items():
         ideal = len(batch.records) * batch.body / limit
         pace = base.makespan / batch.makespan
-        extra = [f"{ideal:.2f}s", f"{pace:.2f}"]
+        extra = [f"{ideal:.2f}s", f"{pace:.2f}", f"{ideal / batch.makespan:.2f}"]
         print(row(name, f"{workers} x c{concurrency}", batch, extra))
     late_done = late.makespan
     waits = [r["start"] - r["sent"] for r in late.records]
@@ -123,7 +134,8 @@ def backlog(bench: Bench) -> bool:
     targets = []
     for tag in phases:
         batch = runs[tag][1]
-        targets.append(Target(f"pace {tag}/baseline", base.makespan / batch.makespan, 0.9))
+        pace = PACE.get(pool, PACE_OTHER_POOLS)
+        targets.append(Target(f"pace {tag}/baseline", base.makespan / batch.makespan, pace))
         targets.append(
             Target(f"re-publishes per task ({tag})", rate(batch.retries, batch), 0.1, True, 3)
         )
@@ -142,11 +154,13 @@ def uncontended(bench: Bench) -> bool:
     a = bench.args
     n = scaled(a.uncontended_tasks, a.scale)
     k = min(n, scaled(a.uncontended_keys, a.scale))
-    d, (workers, concurrency) = a.uncontended_duration, UNCONTENDED_WORKERS
+    d, workers = a.uncontended_duration, UNCONTENDED_WORKERS[0]
+    concurrency = pool_slots(a, UNCONTENDED_WORKERS[1])
     keys = [f"u{i % k}" for i in range(n)]
     print(
         f"{n} tasks x {d * 1000:g} ms over {k} keys (round robin), limit {UNCONTENDED_LIMIT}, "
-        f"{workers} worker x c{concurrency}, prefetch {a.prefetch}; {a.rounds} rounds of a "
+        f"{workers} worker -P {pool_name(a)} -c {concurrency}, prefetch {a.prefetch}; "
+        f"{a.rounds} rounds of a "
         "guarded and a plain batch on the same worker, in turns"
     )
     batches = run_rounds(
@@ -227,20 +241,22 @@ def mixed(bench: Bench) -> bool:
     and plain), ``--rounds`` batches of each in turns on the same workers, each figure the
     median of the rounds'; the classic run gives every mode fresh workers of its own."""
     a = bench.args
-    n, slots = scaled(a.tasks, a.scale), a.workers * a.concurrency
+    concurrency = pool_slots(a, a.concurrency)
+    n, slots = scaled(a.tasks, a.scale), a.workers * concurrency
     rng = random.Random(a.seed)
     keys = [f"k{rng.randrange(a.keys)}" for _ in range(n)]
     rounds = a.rounds if a.scenario and sorted(a.modes) == ["fair", "plain"] else 1
     print(
         f"{n} tasks x {a.duration * 1000:g} ms, {a.keys} keys, limit {a.limit}, "
-        f"{a.workers} workers x {a.concurrency} slots ({slots}), prefetch {a.prefetch}"
+        f"{a.workers} workers -P {pool_name(a)} x {concurrency} slots ({slots}), "
+        f"prefetch {a.prefetch}"
         + (
             f"; {rounds} rounds of a fair and a plain batch on the same workers"
             if rounds > 1
             else ""
         )
     )
-    shape = {"workers": a.workers, "concurrency": a.concurrency, "limit": a.limit}
+    shape = {"workers": a.workers, "concurrency": concurrency, "limit": a.limit}
     if rounds > 1:
         by_mode = run_rounds(bench, ("fair", "plain"), keys, a.duration, rounds=rounds, **shape)
     else:
@@ -265,7 +281,11 @@ def mixed(bench: Bench) -> bool:
             f"it, so keeping the limit reaches at most {ceiling:.2f} of plain's utilization "
             f"(plain over-admits)"
         )
-        targets.append(Target("fair utilization / plain's", median(ratios), 0.95))
+        if pool_name(a) == "prefork":
+            targets.append(Target("fair utilization / plain's", median(ratios), 0.95))
+        else:  # many slots: plain runs nearly all at once, far past what the limit allows
+            name = "fair utilization / plain's, over the ceiling"
+            targets.append(Target(name, median(ratios) / ceiling, 0.95))
     p99s = [r.p99_ratio for r in fair]
     p99 = None if None in p99s else median(x for x in p99s if x is not None)
     targets.append(Target("fair p99 wait / ideal p99", p99, 1.5, True))
