@@ -182,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                 for scenario in args.names:
                     where = broker.name if pool == "prefork" else f"{broker.name}, -P {pool}"
                     print(f"\n== {scenario} [broker {where}] ==")
-                    print(host_line(broker, server.version + embedded) + load_line(args, pool))
+                    host = host_line(broker, server.version + embedded)
+                    print(host + load_line(args, pool, scenario))
                     try:
                         with open_bench(server, broker, on_pool(args, pool)) as bench:
                             verdict = "MET" if SCENARIOS[scenario](bench) else "MISSED"
@@ -195,14 +196,16 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any("FAILED" in v for v in verdicts) else 0
 
 
-def load_line(args: argparse.Namespace, pool: str) -> str:
-    """The pool, its default concurrency and the host's 1-minute load average now."""
+def load_line(args: argparse.Namespace, pool: str, scenario: str) -> str:
+    """The pool, its concurrency and the host's 1-minute load average now."""
     try:
         with open("/proc/loadavg") as f:
             load = f.read().split()[0]
     except OSError:
         load = "?"
     size = "" if pool == "prefork" else f" -c {pool_slots(on_pool(args, pool))}"
+    if scenario == "hot-mixed":
+        size = f" -c {args.hot_concurrency}"
     return f"; -P {pool}{size}; load average (1 min) {load}"
 
 
