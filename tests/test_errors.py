@@ -1,6 +1,8 @@
 """Which Redis errors a task waits out (transient) and which fail it at once.
 
-Server errors are built from the error reply as redis-py parses it off the wire.
+Server errors are built from the error reply as redis-py parses it off the wire (the installed
+redis-py's parser: before 7.2 it keeps no ``status_code``, and drops a code it knows, ``ERR``
+among them, from the message), or come from a real server.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import redis.exceptions as e
 from redis._parsers.base import BaseParser
 
 from celery_redsem import BackendError
+from celery_redsem.core.connections import error_code
 from celery_redsem.core.errors import is_transient
 
 
@@ -75,3 +78,53 @@ def test_a_backend_error_is_as_transient_as_its_cause() -> None:
         with pytest.raises(BackendError) as raised:
             raise BackendError("Redis failed") from cause
         assert raised.value.transient is transient
+
+
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        ("ERR user_script:12: attempt to compare nil with number script: 4f3c", "ERR"),
+        ("ERR unknown command 'FCALL', with args beginning with:", "ERR"),
+        ("ERR Error running script (call to f_4f3c): @user_script:1: oops", "ERR"),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", "WRONGTYPE"),
+        ("BUSY Redis is busy running a script. You can only call SCRIPT KILL", "BUSY"),
+        ("MISCONF Redis is configured to save RDB snapshots", "MISCONF"),
+        ("NOREPLICAS Not enough good replicas to write.", "NOREPLICAS"),
+    ],
+)
+def test_the_code_of_an_error_reply_is_read_whatever_redis_py_keeps_of_it(
+    text: str, code: str
+) -> None:
+    assert error_code(reply(text)) == code
+
+
+def test_an_error_that_is_no_reply_has_no_code() -> None:
+    assert error_code(e.ConnectionError("Error 111 connecting")) is None
+    assert error_code(ValueError("no")) is None
+
+
+def test_script_errors_from_a_real_server_are_refusals(redis_client) -> None:
+    # What a bug in a script looks like (redis-py before 7.2 gives a bare ResponseError whose
+    # message has lost its "ERR "): retrying it until max_wait would only hide it.
+    with pytest.raises(e.ResponseError) as raised:
+        redis_client.eval("return 1 + nil", 0)
+    assert error_code(raised.value) == "ERR"
+    assert not is_transient(raised.value)
+    with pytest.raises(e.ResponseError) as raised:
+        redis_client.eval("return redis.error_reply('ERR refresh.lua: out of bounds')", 0)
+    assert not is_transient(raised.value)
+
+
+def test_a_pipelines_errors_keep_their_code(redis_client) -> None:
+    # redis-py's pipeline puts "Command # 1 (...) of pipeline caused error: " before the reply.
+    for script, transient in [
+        ("return redis.error_reply('ERR boom')", False),
+        ("return redis.error_reply('WRONGTYPE not a hash')", False),
+        ("return redis.error_reply('BUSY try later')", True),
+        ("return redis.error_reply('TRYAGAIN NOW in a while')", True),
+    ]:
+        pipe = redis_client.pipeline(transaction=False)
+        pipe.eval(script, 0)
+        with pytest.raises(e.ResponseError) as raised:
+            pipe.execute()
+        assert is_transient(raised.value) is transient, (script, raised.value)

@@ -27,9 +27,8 @@ from celery_redsem.core.permits import (
     SemaphoreState,
     WaiterInfo,
     Waiting,
-    refresh_args,
-    renewed,
 )
+from celery_redsem.core.refresh import refresh_args, renewed
 from celery_redsem.core.scripts import ACQUIRE, REFRESH, RELEASE, STATE
 from celery_redsem.core.semaphore_spec import AttemptOptions, CommonOptions, SemaphoreSpec, naming
 from celery_redsem.core.state import state_from_reply

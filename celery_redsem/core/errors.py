@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import redis.exceptions as redis_errors
 
+from celery_redsem.core.connections import error_code
+
 __all__ = [
     "REDIS_ERRORS",
     "AcquireTimeout",
@@ -110,6 +112,9 @@ _REFUSALS = (
     redis_errors.ClusterCrossSlotError,
     redis_errors.DataError,
 )
+#: Error reply codes no retry can fix: a generic error (a script error, an unknown command), a
+#: key of the wrong type, keys split across slots (redis-py before 7.2 has no class for it).
+_REFUSED_CODES = frozenset({"ERR", "WRONGTYPE", "CROSSSLOT"})
 #: Everything redis-py raises for a call that did not go through (``RedisClusterException``
 #: is not a ``RedisError``: a cluster whose layout cannot be learnt, a slot nobody serves).
 REDIS_ERRORS = (redis_errors.RedisError, redis_errors.RedisClusterException)
@@ -133,8 +138,7 @@ def is_transient(error: BaseException) -> bool:
             return False
         cause = cause.__cause__
     if isinstance(error, redis_errors.ResponseError):
-        generic = getattr(error, "status_code", None) == "ERR"  # redis-py strips the "ERR "
-        return not (generic or str(error).startswith(("ERR ", "WRONGTYPE ")))
+        return error_code(error) not in _REFUSED_CODES
     return isinstance(
         error,
         redis_errors.ConnectionError

@@ -347,7 +347,7 @@ class Heartbeat:
         refreshed from a greenlet."""
         client: Any = groups[0][0].client
         if native.green_library() is not None:
-            twin = native_twin(client)
+            twin = native_twin(client, sockets=native.original_socket(), rlock=native.rlock)
             if twin is None:
                 native.in_green(native.spawn_green, self._refresh_groups, client_id, groups, client)
                 return

@@ -11,48 +11,14 @@ from typing import Any, overload
 
 from redis.cluster import RedisCluster
 
-from celery_redsem.core.errors import ConfigurationError
-
-MAX_NAME_LENGTH = 512
 DEFAULT_PREFIX = "redsem"
 
 __all__ = [
     "DEFAULT_PREFIX",
-    "MAX_NAME_LENGTH",
     "SemaphoreKeys",
     "declared_keys",
     "script_keys",
-    "validate_name",
-    "validate_prefix",
 ]
-
-
-def validate_name(name: object) -> str:
-    """Return ``name`` if it is a usable semaphore name, else raise :class:`ConfigurationError`."""
-    if not isinstance(name, str):
-        raise ConfigurationError(f"semaphore name must be a str, got {type(name).__name__}")
-    if not name:
-        raise ConfigurationError("semaphore name must not be empty")
-    if len(name) > MAX_NAME_LENGTH:
-        raise ConfigurationError(
-            f"semaphore name is {len(name)} characters long; the maximum is {MAX_NAME_LENGTH}",
-            name=name[:80] + "...",
-        )
-    if "{" in name or "}" in name:
-        raise ConfigurationError(
-            f"semaphore name {name!r} must not contain '{{' or '}}' (the cluster hash tag)",
-            name=name,
-        )
-    return name
-
-
-def validate_prefix(prefix: object) -> str:
-    """Return ``prefix`` if it is a usable key prefix, else raise :class:`ConfigurationError`."""
-    if not isinstance(prefix, str) or not prefix:
-        raise ConfigurationError(f"key prefix must be a non-empty str, got {prefix!r}")
-    if "{" in prefix or "}" in prefix or "*" in prefix:
-        raise ConfigurationError(f"key prefix {prefix!r} must not contain '{{', '}}' or '*'")
-    return prefix
 
 
 class _Key:

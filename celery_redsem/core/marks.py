@@ -11,9 +11,9 @@ lost frees the name when its lease ends, not when the TTL does; the run renews t
 from __future__ import annotations
 
 from celery_redsem.core.client import RedisClient, to_ms
-from celery_redsem.core.keys import SemaphoreKeys, validate_name, validate_prefix
+from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.scripts import DEDUPE, as_text, run_script
-from celery_redsem.core.validation import SECONDS
+from celery_redsem.core.validation import SECONDS, validate_name, validate_prefix
 
 __all__ = ["DedupeMark"]
 

@@ -19,6 +19,7 @@ import _thread
 import collections
 import contextlib
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -31,6 +32,7 @@ __all__ = [
     "current_greenlet",
     "green_library",
     "in_green",
+    "original_socket",
     "prepare_green",
     "rlock",
     "spawn_green",
@@ -84,6 +86,26 @@ def rlock() -> Any:
 
         return original("threading").RLock()
     return _thread.RLock()  # (gevent leaves the C RLock alone)
+
+
+def original_socket() -> Any:
+    """The ``socket`` module as it was before the green library patched it (its ``socket``
+    and ``getaddrinfo``: what a connection of an OS thread needs)."""
+    library = green_library()
+    if library == "gevent":
+        from gevent.monkey import get_original
+
+        return _Socket(*get_original("socket", ["socket", "getaddrinfo"]))
+    if library == "eventlet":
+        from eventlet.patcher import original
+
+        return original("socket")
+    return socket
+
+
+class _Socket(NamedTuple):
+    socket: Any
+    getaddrinfo: Callable[..., Any]
 
 
 def spawn_green(fn: Callable[..., Any], *args: Any) -> None:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from celery_redsem.core.client import to_ms
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
 
 __all__ = [
@@ -15,8 +14,6 @@ __all__ = [
     "SemaphoreState",
     "WaiterInfo",
     "Waiting",
-    "refresh_args",
-    "renewed",
 ]
 
 
@@ -99,14 +96,3 @@ class SemaphoreState:
     now_ms: int
     holders: list[HolderInfo]
     waiters: list[WaiterInfo]
-
-
-def refresh_args(permit: Permit) -> list[Any]:
-    """refresh.lua's three arguments for ``permit``: id, fencing token, lease ms."""
-    return [permit.id, str(permit.token), to_ms(permit.lease)]
-
-
-def renewed(permit: Permit, expires_at: Any) -> Permit | None:
-    """``permit`` with refresh.lua's answer for it as its new expiry; None if it was lost."""
-    expiry = int(expires_at)
-    return permit._replace(expires_at=expiry) if expiry > 0 else None

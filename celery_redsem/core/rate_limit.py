@@ -29,7 +29,7 @@ from typing import Any
 
 from celery_redsem.core.client import RedisClient, validate_client
 from celery_redsem.core.errors import AcquireTimeout, ConfigurationError
-from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
 from celery_redsem.core.permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
 from celery_redsem.core.scripts import GCRA, RATE_STATE, as_text, run_script
 from celery_redsem.core.validation import (
@@ -37,6 +37,8 @@ from celery_redsem.core.validation import (
     SECONDS_OR_ZERO,
     count_rule,
     seconds_rule,
+    validate_name,
+    validate_prefix,
 )
 
 __all__ = [

@@ -16,11 +16,11 @@ from redis.exceptions import NoScriptError
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient, to_ms
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 from celery_redsem.core.node_batch import Call, run_on_nodes
-from celery_redsem.core.permits import Permit, RefreshResult, refresh_args, renewed
+from celery_redsem.core.permits import Permit, RefreshResult
 from celery_redsem.core.scripts import REFRESH, run_script, script_failed
 from celery_redsem.core.validation import SECONDS
 
-__all__ = ["REFRESH_CHUNK", "refresh_permits"]
+__all__ = ["REFRESH_CHUNK", "refresh_args", "refresh_permits", "renewed"]
 
 #: The most permits one refresh script call takes (a few milliseconds of server time).
 REFRESH_CHUNK = 200
@@ -113,3 +113,14 @@ def _pipelined(client: Any, calls: Sequence[Call], name: str) -> list[Any]:
         if not todo:
             break
     return replies
+
+
+def refresh_args(permit: Permit) -> list[Any]:
+    """refresh.lua's three arguments for ``permit``: id, fencing token, lease ms."""
+    return [permit.id, str(permit.token), to_ms(permit.lease)]
+
+
+def renewed(permit: Permit, expires_at: Any) -> Permit | None:
+    """``permit`` with refresh.lua's answer for it as its new expiry; None if it was lost."""
+    expiry = int(expires_at)
+    return permit._replace(expires_at=expiry) if expiry > 0 else None

@@ -35,7 +35,7 @@ from celery_redsem.core.errors import (
     NotEnoughReplicas,
 )
 from celery_redsem.core.heartbeat import Heartbeat, HeldPermit, get_heartbeat
-from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, script_keys, validate_name
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, script_keys
 from celery_redsem.core.lane import executor_for
 from celery_redsem.core.permits import HolderInfo, Permit, SemaphoreState, WaiterInfo, Waiting
 from celery_redsem.core.refresh import refresh_permits
@@ -55,7 +55,7 @@ from celery_redsem.core.semaphore_spec import (
     validate_permit_id,
 )
 from celery_redsem.core.state import read_state
-from celery_redsem.core.validation import SECONDS, count_rule
+from celery_redsem.core.validation import SECONDS, count_rule, validate_name
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack

@@ -16,15 +16,16 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, DEFAULT_LEASE, to_ms
 from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError, PermitLost
-from celery_redsem.core.keys import (
-    DEFAULT_PREFIX,
-    SemaphoreKeys,
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
+from celery_redsem.core.permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
+from celery_redsem.core.permits import Permit, Waiting
+from celery_redsem.core.validation import (
+    LIMIT,
+    SECONDS,
+    SECONDS_OR_ZERO,
     validate_name,
     validate_prefix,
 )
-from celery_redsem.core.permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
-from celery_redsem.core.permits import Permit, Waiting
-from celery_redsem.core.validation import LIMIT, SECONDS, SECONDS_OR_ZERO
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack

@@ -6,15 +6,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from celery_redsem.core.client import RedisClient
-from celery_redsem.core.keys import (
-    DEFAULT_PREFIX,
-    SemaphoreKeys,
-    script_keys,
-    validate_name,
-    validate_prefix,
-)
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, script_keys
 from celery_redsem.core.permits import HolderInfo, SemaphoreState, WaiterInfo
 from celery_redsem.core.scripts import STATE, as_text, run_script
+from celery_redsem.core.validation import validate_name, validate_prefix
 
 __all__ = ["read_state", "state_from_reply"]
 

@@ -23,6 +23,7 @@ from celery_redsem.core.errors import ConfigurationError
 __all__ = [
     "LIMIT",
     "MAX_COUNT",
+    "MAX_NAME_LENGTH",
     "MAX_SECONDS",
     "SECONDS",
     "SECONDS_OR_ZERO",
@@ -30,6 +31,8 @@ __all__ = [
     "choice_rule",
     "count_rule",
     "seconds_rule",
+    "validate_name",
+    "validate_prefix",
 ]
 
 #: The longest duration any argument or setting may have, in seconds (365 days).
@@ -104,3 +107,35 @@ def choice_rule(choices: Sequence[str]) -> Rule:
 SECONDS = seconds_rule()
 SECONDS_OR_ZERO = seconds_rule(zero_ok=True)
 LIMIT = count_rule()
+
+
+#: The longest semaphore name accepted.
+MAX_NAME_LENGTH = 512
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it is a usable semaphore name, else raise :class:`ConfigurationError`."""
+    if not isinstance(name, str):
+        raise ConfigurationError(f"semaphore name must be a str, got {type(name).__name__}")
+    if not name:
+        raise ConfigurationError("semaphore name must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ConfigurationError(
+            f"semaphore name is {len(name)} characters long; the maximum is {MAX_NAME_LENGTH}",
+            name=name[:80] + "...",
+        )
+    if "{" in name or "}" in name:
+        raise ConfigurationError(
+            f"semaphore name {name!r} must not contain '{{' or '}}' (the cluster hash tag)",
+            name=name,
+        )
+    return name
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return ``prefix`` if it is a usable key prefix, else raise :class:`ConfigurationError`."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ConfigurationError(f"key prefix must be a non-empty str, got {prefix!r}")
+    if "{" in prefix or "}" in prefix or "*" in prefix:
+        raise ConfigurationError(f"key prefix {prefix!r} must not contain '{{', '}}' or '*'")
+    return prefix

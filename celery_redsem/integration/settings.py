@@ -27,9 +27,8 @@ from celery.local import Proxy
 from celery_redsem.core.client import RedisClient
 from celery_redsem.core.clients import client_from_url
 from celery_redsem.core.errors import ConfigurationError
-from celery_redsem.core.keys import validate_prefix
 from celery_redsem.core.redaction import redact_url, safe_repr, scrub
-from celery_redsem.core.validation import Rule, count_rule, seconds_rule
+from celery_redsem.core.validation import Rule, count_rule, seconds_rule, validate_prefix
 from celery_redsem.integration.known_settings import (
     DEFAULT_REDIS_OPTIONS,
     DEFAULTS,

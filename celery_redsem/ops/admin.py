@@ -19,11 +19,12 @@ from typing import Any
 
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, ConfigurationError, RedsemError
-from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys, validate_name, validate_prefix
+from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.state import read_state
+from celery_redsem.core.validation import validate_name, validate_prefix
 
 __all__ = [
     "ForceRelease",

@@ -28,11 +28,12 @@ import click
 from celery_redsem.core.client import RedisClient
 from celery_redsem.core.clients import client_from_url
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, RedsemError
-from celery_redsem.core.keys import SemaphoreKeys, validate_prefix
+from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.redaction import redact_url, scrub
 from celery_redsem.core.state import read_state
+from celery_redsem.core.validation import validate_prefix
 from celery_redsem.ops.admin import (
     OnSkip,
     force_release,

@@ -21,8 +21,7 @@ from typing import Any, cast
 from celery import Task
 
 from celery_redsem.core.errors import ConfigurationError, KeyFunctionError
-from celery_redsem.core.keys import validate_name
-from celery_redsem.core.validation import LIMIT
+from celery_redsem.core.validation import LIMIT, validate_name
 
 __all__ = [
     "ByName",
