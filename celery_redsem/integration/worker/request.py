@@ -138,8 +138,9 @@ class ReleasingRequest(Request):
             self._redsem_release()
         super().on_timeout(soft, timeout)
 
-    def cancel(self, pool: Any, signal: Any = None, emit_retry: bool = True) -> None:
-        super().cancel(pool, signal, emit_retry)
+    def cancel(self, pool: Any, *args: Any, **kwargs: Any) -> None:
+        # Celery's own arguments, whatever its version takes (``emit_retry`` since 5.6).
+        super().cancel(pool, *args, **kwargs)
         # Cold shutdown: the worker may exit before the child is reaped.
         if self.time_start and self._redsem_kill_child():
             self._redsem_release()
