@@ -334,3 +334,20 @@ def test_a_release_whose_key_function_fails_is_logged_as_a_warning(
     assert record.levelno == logging.WARNING
     assert "key function exploded" in record.getMessage()
     assert "frees when its lease ends" in record.getMessage()
+
+
+def test_a_send_that_ignores_the_result_still_does_after_a_contention_retry(
+    app: Celery, worker: object, key: str, events: dict[str, Counter[str]]
+) -> None:
+    # The retry is a new message made from the run's request; Celery before 5.7 leaves the
+    # sender's ignore_result out of it, and the retried run stored its result.
+    sem, blocker = blocked(app, f"locked:{key}")
+    result = app.tasks["t.locked"].apply_async((key,), ignore_result=True)
+    try:
+        wait_until(
+            lambda: events.get(result.id, Counter())["retry-signal"] >= 1, 10, what="a retry"
+        )
+    finally:
+        sem.release(blocker)
+    wait_until(lambda: events.get(result.id, Counter())["SUCCESS"] >= 1, 20, what="the run")
+    assert app.backend.get_task_meta(result.id)["status"] != "SUCCESS"

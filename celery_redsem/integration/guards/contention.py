@@ -242,7 +242,12 @@ class Contention:
         """
         request = self.request
         headers = headers_with_wait(request, wait)
-        sig = self.task.signature_from_request(request, countdown=countdown, headers=headers)
+        sig = self.task.signature_from_request(
+            request,
+            countdown=countdown,
+            headers=headers,
+            ignore_result=_ignore_result(self.task, request),
+        )
         try:
             sig.apply_async()
         except Exception:
@@ -271,6 +276,14 @@ def _outage_level() -> int:
         return logging.INFO
     _last_outage_warning[0] = now
     return logging.WARNING
+
+
+def _ignore_result(task: Task[Any, Any], request: Context) -> bool:
+    """Whether the run is to store no result: as its sender said (the message carries it),
+    else as the task says. Celery before 5.7 leaves it out of a signature made from the
+    request, so a retry of a send with ``ignore_result=True`` stored its result."""
+    said = vars(request).get("ignore_result")  # (Context's class attribute is no choice)
+    return bool(task.ignore_result if said is None else said)
 
 
 def _queue_of(task: Task[Any, Any], request: Context) -> str:
