@@ -24,6 +24,7 @@ from celery_redsem.core.client import (
     server_tick,
     socket_timeout,
 )
+from celery_redsem.core.connections import check_out
 from tests.servers import embedded_valkey, wait_until
 
 ACQUIRERS = 18
@@ -127,7 +128,7 @@ def test_a_client_given_no_socket_timeout_has_its_connections_default(redis_url:
     # redis-py 8 gives connections a 5 s socket timeout that the client's options do not
     # show: read as none, it let a blocking wait be cut short by it.
     client = redis.Redis.from_url(redis_url)
-    connection = client.connection_pool.get_connection()
+    connection = check_out(client.connection_pool)  # (redis-py < 5.3 wants a command name)
     try:
         assert socket_timeout(client) == connection.socket_timeout
         if connection.socket_timeout:
@@ -141,7 +142,7 @@ def test_a_blocking_acquire_waits_past_the_default_socket_timeout(
     redis_url: str, prefix: str
 ) -> None:
     client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))
-    connection = client.connection_pool.get_connection()
+    connection = check_out(client.connection_pool)  # (redis-py < 5.3 wants a command name)
     default = connection.socket_timeout  # (what the connections use, whatever the client says)
     client.connection_pool.release(connection)
     if default is None:

@@ -24,14 +24,16 @@ from celery.contrib.testing.mocks import TaskMessage
 from celery.worker.request import Request
 
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.integration.worker.request import install_request_class
+from celery_redsem.integration.worker.request import install_request_class, set_pool
 from tests.integration.conftest import holder
 from tests.servers import wait_until
 
 
 @pytest.fixture
 def pool(app: Celery) -> Iterator[TaskPool]:
-    """A started prefork pool of one child, as a worker of ``app`` makes it."""
+    """A started prefork pool of one child, as a worker of ``app`` makes it (and notes at
+    ``worker_init``: an in-process threads worker of an earlier test noted its own)."""
+    set_pool("prefork")
     started = TaskPool(limit=1, initargs=(app, "cancel-test"))
     started.start()
     try:
