@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint types pytest docs demo bench bench-core bench-celery bench-burst bench-pools bench-rate clean
+.PHONY: test test-oldest lint types pytest docs demo bench bench-core bench-celery bench-burst bench-pools bench-rate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ types: $(STAMP)
 
 pytest: $(STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile
+
+# The fast suite on the oldest declared Celery, kombu, redis-py and Python, in .venv-oldest.
+test-oldest:
+	bash .ci/test-oldest
 
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
