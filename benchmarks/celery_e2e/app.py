@@ -38,6 +38,7 @@ ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_LIMIT, ENV_TAG = (
 ENV_NAIVE_COUNTDOWN = "REDSEM_BENCH_NAIVE_COUNTDOWN"
 ENV_SETTINGS = "REDSEM_BENCH_SETTINGS"
 ENV_STAMPS = "REDSEM_BENCH_STAMPS"
+RECORD_CONNECTIONS = 1000  # the bodies' record client's pool, per worker process
 
 # A body counts itself in (an over-admission if over the limit) and records its start, in one
 # round trip: the stop scenarios' ledger (:mod:`benchmarks.celery_e2e.ledger`) needs the bodies
@@ -85,7 +86,9 @@ def make_app(
     def client() -> redis.Redis:  # (one per process: a forked pool child makes its own)
         pid = os.getpid()
         if pid not in clients:
-            clients[pid] = redis.Redis.from_url(url)
+            # The bodies' records: one connection per body at once, and a green worker -c 200
+            # runs 200 (redis-py 8 pools hold 100: "Too many connections" failed plain bodies).
+            clients[pid] = redis.Redis.from_url(url, max_connections=RECORD_CONNECTIONS)
         return clients[pid]
 
     def body(mode: str, tag: str, key: str, sent: float, seconds: float, request: Any) -> None:
