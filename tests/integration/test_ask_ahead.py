@@ -497,13 +497,15 @@ def test_a_task_queued_for_the_slot_holds_its_permit_before_the_slot_frees(
     app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
 ) -> None:
     # One slot, a stream of short runs on one key (limit 3): while one runs, the next in the
-    # slot queue is granted ahead, so two permits are held at once now and then.
+    # slot queue is granted ahead, so two permits are held at once now and then. (Runs of
+    # 50 ms: asks go ahead only while slots turn over within about SLOT_SOON / 2 on average,
+    # and on a loaded host 100 ms runs plus a child's overhead did not, for all 30 of them.)
     queue = f"ahead-{key}"
     worker = _one_slot_worker(redis_url, module_prefix, tmp_path, queue)
     try:
         worker.wait_ready()
         sem = holder(app, f"counted:{key}", 3)
-        results = [app.tasks["t.counted"].apply_async((key, 0.1), queue=queue) for _ in range(30)]
+        results = [app.tasks["t.counted"].apply_async((key, 0.05), queue=queue) for _ in range(60)]
         assert _two_held_at_once(sem, 20), "no permit was granted ahead of its slot"
         outs = [result.get(timeout=30) for result in results]
         assert all(out["contention_retries"] == 0 for out in outs)
