@@ -25,6 +25,7 @@ from celery_redsem import (
     Busy,
     ConfigurationError,
     KeyFunctionError,
+    install_dedupe,
     with_lock,
     with_semaphore,
 )
@@ -352,3 +353,26 @@ def test_a_process_that_only_imports_the_tasks_and_sends_takes_the_marks(
     assert out["finalized"] is False
     assert len(set(out["ids"])) == 1
     assert out["raised"] == 3 - 1
+
+
+def test_install_dedupe_on_an_app_not_finalized_counts_the_tasks_that_take_marks() -> None:
+    # (It returned 0 for an app not finalized yet, though it had turned dedupe on.)
+    app = Celery("install-dedupe", set_as_current=False)
+
+    @app.task(name="d.one")
+    @with_lock(key=lambda n: n, dedupe=True)
+    def one(n: str) -> None: ...
+
+    @app.task(name="d.two")
+    @with_lock(key=lambda n: n, dedupe="raise")
+    def two(n: str) -> None: ...
+
+    @app.task(name="d.guarded")
+    @with_lock(key=lambda n: n)
+    def guarded(n: str) -> None: ...
+
+    @app.task(name="d.plain")
+    def plain(n: str) -> None: ...
+
+    assert not app.finalized
+    assert install_dedupe(app) == 2
