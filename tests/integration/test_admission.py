@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,8 @@ import redis
 from celery import Celery
 
 from celery_redsem import AcquireTimeout
+from celery_redsem.integration.admission import gate
+from celery_redsem.integration.admission.gate import SLOW_CALLS_IN_ROW, SlowKeyFunctions
 from celery_redsem.integration.policy import (
     FIRST_PARK,
     MAX_PARK,
@@ -268,12 +271,15 @@ def test_a_slow_key_function_is_left_to_the_pool_children(
     app: Celery, one_slot: OneSlot, key: str
 ) -> None:
     # Admission runs the key function in the worker's main process, where a slow one holds
-    # up every dispatch: once it took too long, the task asks for its permit in its child.
+    # up every dispatch: once it was slow SLOW_CALLS_IN_ROW times in a row, the task asks for
+    # its permit in its child.
     calls = f"{app.conf.redsem_key_prefix}:t:keypids:{key}"
     main_pid = str(one_slot.worker.proc.pid)
-    app.tasks["t.slow_key"].apply_async((key,), queue=one_slot.queue).get(timeout=20)
+    for _ in range(SLOW_CALLS_IN_ROW):
+        assert "the key function of t.slow_key took" not in one_slot.worker.log()
+        app.tasks["t.slow_key"].apply_async((key,), queue=one_slot.queue).get(timeout=20)
     assert main_pid in [pid.decode() for pid in _counter(app).lrange(calls, 0, -1)]
-    assert "the key function of t.slow_key took" in one_slot.worker.log()
+    assert "the key function of t.slow_key took over" in one_slot.worker.log()
     _counter(app).delete(calls)
     app.tasks["t.slow_key"].apply_async((key,), queue=one_slot.queue).get(timeout=20)
     pids = [pid.decode() for pid in _counter(app).lrange(calls, 0, -1)]
@@ -534,4 +540,41 @@ def test_a_key_function_slow_at_first_holds_up_no_other_task(
         assert [r.get(timeout=20) for r in quick] == ["0", "1", "2", "3"]
         assert time.monotonic() - sent < 2.0  # not behind the 3 s call
         assert slow.get(timeout=20) == "ran"
-        assert "the key function of t.slow_first took over" in w.log()
+        # Quick from then on: admission keeps deciding for it in the main process (one slow
+        # call left it to the pool children for good before).
+        assert app.tasks["t.slow_first"].apply_async((key,), queue=queue).get(timeout=20) == "ran"
+        assert "the key function of t.slow_first took" not in w.log()
+
+
+def test_one_slow_key_call_in_a_row_of_quick_ones_keeps_admission() -> None:
+    # On a loaded host a trivial key function took 79 ms once, and its task lost admission
+    # for good (its tasks went round the broker as retries).
+    slow = SlowKeyFunctions()
+    assert slow.call("t", lambda: "k") == "k"  # (the first call, in a thread, came back)
+    for _ in range(5):
+        slow.timed("t", gate.SLOW_KEY_FUNCTION * 2)
+        slow.timed("t", 0.001)
+    assert "t" not in slow
+
+
+def test_slow_key_calls_in_a_row_leave_the_task_to_its_children_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slow = SlowKeyFunctions()
+    assert slow.call("t", lambda: "k") == "k"
+    for _ in range(SLOW_CALLS_IN_ROW - 1):
+        slow.timed("t", gate.SLOW_KEY_FUNCTION * 2)
+    assert "t" not in slow
+    slow.timed("t", gate.SLOW_KEY_FUNCTION * 2)
+    assert "t" in slow
+    monkeypatch.setattr(gate, "RETRY_SLOW_AFTER", 0.0)  # its time is up: tried again
+    assert "t" not in slow
+    release = threading.Event()
+    assert slow.call("t", lambda: release.wait(5)) is None  # still slow: left again
+    release.set()
+    monkeypatch.setattr(gate, "RETRY_SLOW_AFTER", 60.0)
+    assert "t" in slow
+    monkeypatch.setattr(gate, "RETRY_SLOW_AFTER", 0.0)
+    assert slow.call("t", lambda: "quick") == "quick"  # quick again: back in admission
+    monkeypatch.setattr(gate, "RETRY_SLOW_AFTER", 60.0)
+    assert "t" not in slow

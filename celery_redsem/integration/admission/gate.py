@@ -25,6 +25,8 @@ from celery_redsem.integration.wire import is_duplicate
 __all__ = [
     "MAX_PAUSE_AFTER_ERROR",
     "PAUSE_AFTER_ERROR",
+    "RETRY_SLOW_AFTER",
+    "SLOW_CALLS_IN_ROW",
     "SLOW_KEY_FUNCTION",
     "Gate",
     "SlowKeyFunctions",
@@ -80,31 +82,42 @@ class Gate:
         )
 
 
-#: A key function that takes longer than this (seconds) in the worker's main process, where
-#: it holds up every other task's dispatch, is left to the pool children from then on.
+#: A key function call that takes longer than this (seconds) in the worker's main process,
+#: where it holds up every other task's dispatch, counts as slow.
 SLOW_KEY_FUNCTION = 0.05
+#: Slow calls in a row after which a task's key function is left to its pool children. One is
+#: not enough: on a loaded host a trivial lambda took 79 ms among 20 busy threads, and the
+#: task lost admission for good (its tasks went round the broker as retries).
+SLOW_CALLS_IN_ROW = 3
+#: Seconds after which a task left to its pool children is tried again, in a thread.
+RETRY_SLOW_AFTER = 60.0
 
 
 class SlowKeyFunctions:
-    """The tasks whose key function was too slow for the worker's main process.
+    """The tasks whose key function is too slow for the worker's main process.
 
-    The first call for a task name runs in a thread of its own, and admission waits for it
-    at most :data:`SLOW_KEY_FUNCTION`: a key function that is slow at first (a cache to fill,
-    a database to reach) costs the worker's dispatch that much, not its whole run (a 30 s one
+    A call admission has not seen come back quickly for a task name (its first, or the first
+    after the name was left to the pool children) runs in a thread of its own, waited for at
+    most :data:`SLOW_KEY_FUNCTION`: a key function that is slow at first (a cache to fill, a
+    database to reach) costs the worker's dispatch that much, not its whole run (a 30 s one
     held up every other task for 30 s). Later calls run where admission runs, timed.
+    :data:`SLOW_CALLS_IN_ROW` slow calls in a row leave the task to its pool children, for
+    :data:`RETRY_SLOW_AFTER` seconds at a time.
     """
 
     def __init__(self) -> None:
-        self._names: set[str] = set()
-        self._tried: set[str] = set()  # (a first call came back in time)
+        self._left_at: dict[str, float] = {}  # names left to the pool children, since
+        self._in_row: dict[str, int] = {}  # slow calls in a row
+        self._quick: set[str] = set()  # a call in a thread came back in time
 
     def __contains__(self, task_name: object) -> bool:
-        return task_name in self._names
+        left_at = self._left_at.get(task_name)  # type: ignore[call-overload]
+        return left_at is not None and time.monotonic() - left_at < RETRY_SLOW_AFTER
 
     def call(self, task_name: str, fn: Callable[[], T]) -> T | None:
         """``fn()`` (a key and limit function's call) for ``task_name``; None if it is too
         slow for here (its task asks in its pool child). Exceptions come through."""
-        if task_name in self._tried:
+        if task_name in self._quick:
             started = time.monotonic()
             try:
                 return fn()
@@ -113,7 +126,7 @@ class SlowKeyFunctions:
         outcome: list[tuple[bool, Any]] = []
         done = threading.Event()
 
-        def first_call() -> None:
+        def call_in_thread() -> None:
             try:
                 outcome.append((True, fn()))
             except BaseException as exc:  # (handed to the caller below)
@@ -122,11 +135,18 @@ class SlowKeyFunctions:
                 done.set()
 
         started = time.monotonic()
-        threading.Thread(target=first_call, name="redsem-first-key", daemon=True).start()
+        threading.Thread(target=call_in_thread, name="redsem-key-call", daemon=True).start()
         if not done.wait(SLOW_KEY_FUNCTION):
             self.timed(task_name, time.monotonic() - started, still_running=True)
             return None
-        self._tried.add(task_name)
+        self._quick.add(task_name)
+        self._in_row.pop(task_name, None)
+        if self._left_at.pop(task_name, None) is not None:
+            logger.info(
+                "celery_redsem: the key function of %s is quick again; admission decides "
+                "for it in the worker's main process again.",
+                task_name,
+            )
         ok, value = outcome[0]
         if not ok:
             raise value
@@ -134,17 +154,30 @@ class SlowKeyFunctions:
         return result
 
     def timed(self, task_name: str, took: float, *, still_running: bool = False) -> None:
-        """Leave ``task_name`` to the pool children if its key function took ``took`` seconds
-        (over :data:`SLOW_KEY_FUNCTION`): in the main process it holds up every dispatch."""
-        if (still_running or took > SLOW_KEY_FUNCTION) and task_name not in self._names:
-            self._names.add(task_name)
-            logger.warning(
-                "celery_redsem: the key function of %s took %s%.3fs in the worker's main "
-                "process, where it holds up the dispatch of every task; from now on %s asks for "
-                "its permit in its pool child. Make the key a quick function of the arguments "
-                "(no database or network calls) to keep admission at dispatch.",
-                task_name,
-                "over " if still_running else "",
-                took,
-                task_name,
-            )
+        """Count a call of ``task_name``'s key function that took ``took`` seconds (or is
+        ``still_running`` after them); :data:`SLOW_CALLS_IN_ROW` slow ones in a row leave the
+        task to its pool children (in the main process they hold up every dispatch)."""
+        if not still_running and took <= SLOW_KEY_FUNCTION:
+            self._in_row.pop(task_name, None)
+            return
+        in_row = self._in_row[task_name] = self._in_row.get(task_name, 0) + 1
+        if in_row < SLOW_CALLS_IN_ROW and task_name not in self._left_at:
+            return
+        again = task_name in self._left_at
+        self._left_at[task_name] = time.monotonic()
+        self._quick.discard(task_name)  # (tried again in a thread)
+        if again:
+            return
+        logger.warning(
+            "celery_redsem: the key function of %s took %s%.3fs in the worker's main "
+            "process (%d slow calls in a row), where it holds up the dispatch of every task; "
+            "%s asks for its permit in its pool child for the next %.0fs, and then as long as "
+            "its key function stays slow. Make the key a quick function of the arguments "
+            "(no database or network calls) to keep admission at dispatch.",
+            task_name,
+            "over " if still_running else "",
+            took,
+            in_row,
+            task_name,
+            RETRY_SLOW_AFTER,
+        )
