@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,6 +66,12 @@ def test_a_cancelled_run_is_killed_and_its_permit_freed(
     request = request_class(TaskMessage(task.name, args=[key]), app=app, task=task)
     sem = holder(app, f"stubborn:{key}")
     assert sem.acquire(permit_id=permit_id_of(request)) is not None  # as its body took it
+    # The child runs a body when it is killed, as a cancelled run's child does. (An idle child
+    # takes the pool's queue lock to poll for work: killed holding it, the pool's terminate
+    # waited for that lock forever.)
+    running = threading.Event()
+    pool.apply_async(time.sleep, (30,), accept_callback=lambda *_: running.set())
+    wait_until(running.is_set, 10, what="the child running a body")
     (child,) = pool.info["processes"]
     request.time_start, request.worker_pid = time.time(), child
     try:
