@@ -19,9 +19,8 @@ import argparse
 import random
 import statistics
 
-from benchmarks.celery_e2e.harness import Batch, Bench, pool_name, run_rounds
-from benchmarks.celery_e2e.ideal import ideal_schedule, percentile
-from benchmarks.celery_e2e.scenarios import Versus, print_mixed_table, scaled
+from benchmarks.celery_e2e.harness import Bench, pool_name, run_rounds
+from benchmarks.celery_e2e.scenarios import print_mixed_table, scaled, versus_ideal
 from benchmarks.celery_e2e.tables import Target, print_targets
 
 UTILIZATION = 0.85
@@ -45,23 +44,6 @@ def hot_keys(n: int, keys: int, share: float, seed: int) -> list[str]:
     ]
 
 
-def versus_nominal(batch: Batch, slots: int, limit: int, duration: float) -> Versus:
-    """``batch`` against the ideal FIFO dispatcher whose bodies take ``duration`` each."""
-    t0 = min(batch.sent)
-    sent = [s - t0 for s in batch.sent]
-    start = ideal_schedule(sent, batch.keys, slots, limit, duration)
-    ideal_waits = [b - s for b, s in zip(start, sent, strict=True)]
-    waits = [r["start"] - r["sent"] for r in batch.records]
-    return Versus(
-        batch=batch,
-        ideal_makespan=max(start) + duration,
-        p50=percentile(waits, 0.5),
-        p99=percentile(waits, 0.99),
-        ideal_p50=percentile(ideal_waits, 0.5),
-        ideal_p99=percentile(ideal_waits, 0.99),
-    )
-
-
 def hot_mixed(bench: Bench) -> bool:
     a = bench.args
     n, slots, limit = scaled(a.hot_tasks, a.scale), a.hot_concurrency, a.hot_limit
@@ -82,11 +64,11 @@ def hot_mixed(bench: Bench) -> bool:
         limit=limit,
     )
     d = a.hot_duration
-    results = {m: [versus_nominal(b, slots, limit, d) for b in bs] for m, bs in by_mode.items()}
+    results = {m: [versus_ideal(b, slots, limit, d) for b in bs] for m, bs in by_mode.items()}
     print_mixed_table(results)
     fair = results["fair"]
     for plain in by_mode["plain"]:
-        free = versus_nominal(plain, slots, n, d)
+        free = versus_ideal(plain, slots, n, d)
         print(
             f"{plain.tag}: utilization of the ideal without the limit "
             f"{free.utilization:.2f} (plain keeps no limit; its mean body {plain.body:.3f}s)"
