@@ -4,16 +4,19 @@ parked or sent to wait as standbys run once on another worker."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 from celery import Celery
 
-from tests.integration.conftest import holder, running_workers
-from tests.integration.test_backlog import _ids, _log, _most_at_once, _quick_redelivery
-from tests.servers import wait_until
+from tests.integration.conftest import running_workers
+from tests.integration.test_backlog import (
+    _ids,
+    _kill_mid_burst,
+    _log,
+    _most_at_once,
+    _quick_redelivery,
+)
 
 
 @pytest.mark.slow
@@ -32,19 +35,7 @@ def test_a_killed_worker_loses_only_the_bodies_it_ran(
     ) as (victim, survivor):  # fmt: skip
         sent = [app.tasks["t.counted"].apply_async((key, 0.1), queue=queue) for _ in range(30)]
         ids = {r.id for r in sent}
-        wait_until(lambda: len(_ids(_log(app, key), "end")) >= 6, 30, what="the burst under way")
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        victim.proc.wait(10)
-        killed_at = len(_log(app, key))
-        held_at_kill = {h.permit_id for h in holder(app, f"counted:{key}", 3).holders()}
-
-        def settled() -> bool:
-            events = _log(app, key)
-            started, ended = set(_ids(events, "start")), set(_ids(events, "end"))
-            return len((started - ended) | (ids - started)) <= 3 and (started | held_at_kill >= ids)
-
-        wait_until(settled, 60, what="every task started, all but the dead ones ended")
-        assert survivor.alive()
+        killed_at, held_at_kill = _kill_mid_burst(app, key, ids, victim, survivor, 3)
     events = _log(app, key)
     starts = _ids(events, "start")
     assert len(starts) == len(set(starts)), "a task ran twice"
