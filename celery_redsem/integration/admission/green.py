@@ -27,12 +27,10 @@ from typing import Any
 
 from celery_redsem.integration.seam import call_once_when_run_ends
 
-__all__ = ["ACK_WAIT", "SWEEP_EVERY", "GreenLoop", "GreenSlots", "green_library"]
+__all__ = ["SWEEP_EVERY", "GreenLoop", "GreenSlots", "green_library"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a task's greenlet waits at most for the dispatcher to send its acknowledgement.
-ACK_WAIT = 5.0
 #: Seconds between sweeps for a dead worker's messages (kombu's ``unacked_restore_interval``
 #: default, on the Redis broker: see :func:`~celery_redsem.integration.seam.sweep_unacked`).
 SWEEP_EVERY = 10.0
@@ -58,22 +56,16 @@ class GreenLoop:
         self._timer = timer
         if library == "gevent":
             import gevent
-            import gevent.event
             import gevent.queue
 
             self._queue: Any = gevent.queue.Queue()
             self._spawn: Callable[..., Any] = gevent.spawn
-            self._current: Callable[[], Any] = gevent.getcurrent
-            self._signal = _EventSignal(gevent.event.Event, "set")
         else:
             import eventlet
-            import eventlet.event
             import eventlet.queue
 
             self._queue = eventlet.queue.LightQueue()
             self._spawn = eventlet.spawn
-            self._current = eventlet.getcurrent
-            self._signal = _EventSignal(eventlet.event.Event, "send")
         self._dispatcher: Any = None
 
     def start(self) -> None:
@@ -84,23 +76,6 @@ class GreenLoop:
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` in the dispatcher."""
         self._queue.put((fn, args))
-
-    def call_and_wait(self, fn: Callable[[], Any], timeout: float) -> None:
-        """Run ``fn()`` in the dispatcher and wait (at most ``timeout`` seconds) until it has
-        run; at once where the caller is the dispatcher."""
-        if self._current() is self._dispatcher:
-            fn()
-            return
-        done = self._signal.event()
-
-        def run() -> None:
-            try:
-                fn()
-            finally:
-                self._signal.fire(done)
-
-        self.call_soon(run)
-        done.wait(timeout)
 
     def call_after(
         self, seconds: float, fn: Callable[..., Any], args: tuple[Any, ...] = (), priority: int = 0
@@ -132,17 +107,6 @@ class GreenLoop:
                 fn(*args)
             except Exception:  # the dispatcher must go on: one task's failure is its own
                 logger.exception("celery_redsem: admission failed in the dispatcher greenlet")
-
-
-class _EventSignal:
-    """A green library's event: how to make one and how to set it (gevent's ``set``,
-    eventlet's ``send``)."""
-
-    def __init__(self, event: Callable[[], Any], fire: str) -> None:
-        self.event, self._fire = event, fire
-
-    def fire(self, event: Any) -> None:
-        getattr(event, self._fire)()
 
 
 class GreenSlots:
@@ -186,10 +150,7 @@ class GreenSlots:
         dispatcher send its acknowledgement (see the module docstring)."""
         call_once_when_run_ends(req, lambda: self._loop.call_soon(self.give_back))
         acknowledge = req.acknowledge
-        # The run waits until its ack went out (it is acknowledged as it starts): a worker
-        # killed between a body's start and its ack would have its message delivered again,
-        # and the task run twice (seen in a SIGKILL test on eventlet).
-        req.acknowledge = lambda: self._loop.call_and_wait(acknowledge, ACK_WAIT)
+        req.acknowledge = lambda: self._loop.call_soon(acknowledge)
 
     def __bool__(self) -> bool:
         """Whether any task waits for a slot."""
