@@ -61,7 +61,6 @@ __all__ = [
     "longest_park",
     "park_time",
     "return_delays",
-    "visibility_timeout",
 ]
 
 #: A task waits in its slot only within this many rounds of permits (``position <= n * limit``).
@@ -210,20 +209,11 @@ def longest_park(conf: Any) -> float:
     """How long one delivery may stay parked (unacknowledged): :data:`MAX_PARKED`, and at most
     half the broker's ``visibility_timeout`` (Redis, SQS) in the app's ``conf``, after which
     the broker would deliver the message again and a second copy of the task would run."""
-    visibility = visibility_timeout(conf)
-    if visibility is None:
-        return MAX_PARKED
-    return min(MAX_PARKED, visibility / 2) if visibility > 0 else MAX_PARKED
-
-
-def visibility_timeout(conf: Any) -> float | None:
-    """The broker's ``visibility_timeout`` in the app's ``conf`` (Redis, SQS), if it sets one
-    as a number of seconds."""
     options = conf.broker_transport_options or {}
     visibility = options.get("visibility_timeout")
     if isinstance(visibility, bool) or not isinstance(visibility, int | float):
-        return None
-    return float(visibility)
+        return MAX_PARKED
+    return min(MAX_PARKED, visibility / 2) if visibility > 0 else MAX_PARKED
 
 
 class _Averages:

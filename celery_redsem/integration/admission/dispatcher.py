@@ -88,7 +88,7 @@ class Admission:
         self.lot = (
             None
             if self.slots is None
-            else ParkingLot(controller, self.slots, self.ahead.ask_now, hub, self.wiring.green_loop)
+            else ParkingLot(controller, self.slots, self.ahead.ask_now, hub, self.wiring.timer)
         )
         self.runs = LiveRuns(self._wake_one, self.wiring.in_loop)  # asked for or handed over here
         self.standbys = Standbys()

@@ -32,8 +32,8 @@ __all__ = ["Wiring", "wire"]
 
 class Wiring:
     """Admission's hook-up on one worker: its slots (None: none to give out), the worker's
-    hand-over to its pool, how work reaches the event loop (``in_loop``), and on a green pool
-    the dispatcher, which is also the timer parked tasks resume on (None: the worker's)."""
+    hand-over to its pool, how work reaches the event loop (``in_loop``) and the timer parked
+    tasks resume on (None: the worker's)."""
 
     def __init__(
         self,
@@ -48,6 +48,7 @@ class Wiring:
         self.dispatch = dispatch
         self.in_loop = in_loop
         self.green_loop = green_loop
+        self.timer: Any = green_loop
 
     def run_pending(self) -> None:
         """The worker stops: run now what waits for the event loop's next turn, or the

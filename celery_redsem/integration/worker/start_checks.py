@@ -25,7 +25,7 @@ from celery_redsem.core.errors import (
     is_transient,
 )
 from celery_redsem.integration.guards.base import Guard, iter_guarded_tasks
-from celery_redsem.integration.policy import MAX_PARKED, visibility_timeout
+from celery_redsem.integration.policy import MAX_PARKED
 from celery_redsem.integration.settings import (
     RedsemConfig,
     deferred_setting_warnings,
@@ -167,8 +167,11 @@ def check_visibility_timeout(app: Celery) -> str | None:
     worker; and a worker holds an ETA task (a retry's countdown) unacknowledged too."""
     if not _redis_broker(app):
         return None
-    visibility = visibility_timeout(app.conf)
-    if visibility is None or visibility >= 2 * MAX_PARKED:
+    options = app.conf.broker_transport_options or {}
+    visibility = options.get("visibility_timeout")
+    if not isinstance(visibility, int | float) or isinstance(visibility, bool):
+        return None
+    if visibility >= 2 * MAX_PARKED:
         return None
     return (
         f"celery_redsem: the Redis broker's visibility_timeout is {visibility:g}s: a guarded task "
