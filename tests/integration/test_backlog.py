@@ -30,10 +30,16 @@ def _log(app: Celery, key: str) -> list[str]:
 
 
 def _most_at_once(events: list[str], killed_at: int) -> int:
-    """The most bodies running at once, counting a body that never ended (killed with its
-    worker, whose events stop before ``killed_at``) as ended at ``killed_at``."""
-    dead = set(_ids(events, "start")) - set(_ids(events, "end"))
-    ordered = [*events[:killed_at], *(f"end {i}" for i in dead), *events[killed_at:]]
+    """The most bodies running at once, counting a body the kill cut (started before
+    ``killed_at``, where the dead worker's events stop, and never ended, or started again
+    after it: delivered once more) as ended at ``killed_at``."""
+    before, after = events[:killed_at], events[killed_at:]
+    ended_before, ended = set(_ids(before, "end")), set(_ids(events, "end"))
+    again = set(_ids(after, "start"))
+    dead = {
+        i for i in _ids(before, "start") if i not in ended_before and (i not in ended or i in again)
+    }
+    ordered = [*before, *(f"end {i}" for i in dead), *after]
     running = most = 0
     for event in ordered:
         running += 1 if event.startswith("start ") else -1

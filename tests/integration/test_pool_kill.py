@@ -1,6 +1,7 @@
 """A worker of the threads, gevent or eventlet pool SIGKILLed mid-burst: only the bodies it was
-running are lost (acknowledged as they started, as Celery does by default); the tasks it had
-parked or sent to wait as standbys run once on another worker."""
+running are lost (acknowledged as they started, as Celery does by default; one whose ack had
+not reached the broker runs once more); the tasks it had parked or sent to wait as standbys
+run once on another worker."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def test_a_killed_worker_loses_only_the_bodies_it_ran(
         assert survivor.alive()
     events = _log(app, key)
     starts = _ids(events, "start")
-    assert len(starts) == len(set(starts)), "a task ran twice"
+    # A body the kill cut may run once more: its early ack (sent as the run began, after the
+    # body could start) may not have reached the broker before the kill, and the broker then
+    # delivers the message again (at-least-once; seen under a full CI run's load). Any other
+    # task runs exactly once.
+    before = events[:killed_at]
+    cut = set(_ids(before, "start")) - set(_ids(before, "end"))
+    again = {i for i in set(starts) if starts.count(i) > 1}
+    assert again <= cut, "a task ran twice that the kill did not cut"
+    assert all(starts.count(i) == 2 for i in again)
     assert ids - set(starts) <= held_at_kill, "a task never ran that the victim had not begun"
     assert _most_at_once(events, killed_at) <= 3
