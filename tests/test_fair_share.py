@@ -110,7 +110,8 @@ def test_group_limit_caps_what_one_group_holds_and_others_get_the_rest(redis_cli
     b = [join(sem, f"b-{i}", "b") for i in range(3)]
     assert [isinstance(p, Permit) for p in b] == [True, True, False]
     c = join(sem, "c-0", "c")
-    assert isinstance(c, Waiting) and c.position == 1  # a and b are at their cap: c is next
+    assert isinstance(c, Waiting)
+    assert c.position == 1
     by_group = {g.group: g for g in sem.groups()}
     assert (by_group["a"].holders, by_group["a"].waiting, by_group["a"].at_limit) == (2, 3, True)
     assert sem.release(permits[0])  # type: ignore[arg-type]
@@ -146,13 +147,12 @@ def test_group_limit_is_never_exceeded_under_threads(redis_client, prefix):
     for t in threads:
         t.join(60)
     assert not errors
-    assert max(peak.values()) <= 2 and total_peak[0] <= 5
+    assert max(peak.values()) <= 2
+    assert total_peak[0] <= 5
     assert peak["a"] == 2  # the cap was reached, not merely never approached
 
 
-def test_an_expired_holder_frees_its_permit_for_the_next_group_within_a_lease(
-    redis_client, prefix
-):
+def test_an_expired_holder_frees_its_permit_for_the_next_group_within_a_lease(redis_client, prefix):
     sem = grouped(redis_client, prefix, limit=1, lease=0.5, waiter_lease=5)
     crashed = sem.acquire(group="a")  # never released, never refreshed
     assert crashed is not None
@@ -167,15 +167,19 @@ def test_attempts_are_idempotent_per_permit_id(redis_client, prefix):
     sem = grouped(redis_client, prefix, limit=1)
     first = join(sem, "x", "a")
     again = join(sem, "x", "a")
-    assert isinstance(first, Permit) and isinstance(again, Permit)
+    assert isinstance(first, Permit)
+    assert isinstance(again, Permit)
     assert again.token == first.token
     waiting = join(sem, "y", "b")
-    assert isinstance(waiting, Waiting) and waiting.position == 1
+    assert isinstance(waiting, Waiting)
+    assert waiting.position == 1
     assert join(sem, "y", "b").position == 1  # type: ignore[union-attr]
     assert [g.waiting for g in sem.groups() if g.group == "b"] == [1]
-    assert sem.release(first) and not sem.release(first)
+    assert sem.release(first)
+    assert not sem.release(first)
     granted = join(sem, "y", "b")
-    assert isinstance(granted, Permit) and granted.token > first.token
+    assert isinstance(granted, Permit)
+    assert granted.token > first.token
 
 
 def test_a_waiter_that_gives_up_leaves_its_group(redis_client, prefix):
@@ -239,7 +243,10 @@ def test_every_key_has_a_ttl_shares_one_slot_and_is_gone_after_it(redis_client, 
 
 def test_without_a_group_the_fifo_scripts_run(redis_client, prefix):
     plain = FairSemaphore(redis_client, "plain", 1, prefix=prefix)
-    assert plain.attempt_command("p")[1] == FairSemaphore.attempt_command.__globals__["ACQUIRE"].sha_bytes
+    assert (
+        plain.attempt_command("p")[1]
+        == FairSemaphore.attempt_command.__globals__["ACQUIRE"].sha_bytes
+    )
     sem = grouped(redis_client, prefix)
     assert sem.attempt_command("p", group="g")[1] != plain.attempt_command("p")[1]
     assert plain.groups() == []

@@ -89,9 +89,7 @@ class FairShare:
                 name=name,
             )
         if weight != 1:
-            raise ConfigurationError(
-                f"weight={weight!r} applies only with a group", name=name
-            )
+            raise ConfigurationError(f"weight={weight!r} applies only with a group", name=name)
 
 
 def _weight(weight: Any, name: str) -> float:

@@ -193,7 +193,8 @@ class FairSemaphore(SemaphoreSpec):
         pid = self._permit_id(permit_id)
         try:
             arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
-            script, args = ACQUIRE, (arg,)
+            script: LuaScript = ACQUIRE
+            args: tuple[str, ...] = (arg,)
             if group is not None or self.grouped or weight != 1:
                 script, args = self._fair_args(arg, group, weight, back_in)
             if self.min_replicas:

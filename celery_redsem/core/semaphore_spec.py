@@ -181,6 +181,7 @@ class SemaphoreSpec:
     def _attempt_args(
         self,
         pid: str,
+        *,
         join_line: bool = False,
         waiter_lease: float | None = None,
         back_in: float = 0.0,

@@ -52,9 +52,7 @@ def state_from_reply(name: str, reply: Any) -> SemaphoreState:
     )
 
 
-def read_groups(
-    client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX
-) -> list[GroupInfo]:
+def read_groups(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> list[GroupInfo]:
     """The groups of the grouped semaphore ``name`` (one consistent snapshot): those waiting
     in the order they are served, then those that only hold. Empty for an ungrouped one."""
     keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
