@@ -263,6 +263,7 @@ def test_without_a_group_the_fifo_scripts_run(redis_client, prefix):
         ({"grouped": True}, {"group": "g", "weight": float("nan")}, "weight must be"),
         ({"grouped": True}, {"group": "g", "back_in": 1.0, "join_line": True}, "back_in"),
         ({"grouped": True}, {"group": "g" * 300}, "characters long"),
+        ({"grouped": True}, {"group": "a\0b"}, "NUL"),
     ],
 )
 def test_bad_groups_and_weights_are_refused_by_name(redis_client, prefix, build, call, message):
@@ -277,3 +278,22 @@ def test_group_limit_needs_a_grouped_semaphore(redis_client):
         FairSemaphore(redis_client, "x", 2, group_limit=1)
     with pytest.raises(ConfigurationError, match="group_limit"):
         FairSemaphore(redis_client, "x", 2, grouped=True, group_limit=0)
+
+
+def test_a_grant_refreshed_past_the_idle_ttl_still_counts_for_its_group(redis_client, prefix):
+    sem = grouped(redis_client, prefix, limit=3, group_limit=1, lease=0.6, idle_ttl=0.4)
+    permit = sem.acquire(group="a")
+    assert permit is not None
+    server_ms = int(redis_client.time()[0]) * 1000
+    deadline = server_ms + 3000  # several leases and idle TTLs from now
+
+    def refreshed_past_deadline() -> bool:
+        nonlocal permit
+        permit = sem.refresh(permit)  # type: ignore[arg-type]
+        return int(redis_client.time()[0]) * 1000 > deadline
+
+    wait_until(refreshed_past_deadline, 10, interval=0.1, what="refreshes past the idle TTL")
+    assert sem.acquire(group="a") is None  # a still holds its one
+    assert isinstance(sem.acquire(group="b"), Permit)
+    assert sem.release(permit)  # type: ignore[arg-type]
+    assert isinstance(sem.acquire(group="a"), Permit)

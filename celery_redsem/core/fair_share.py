@@ -69,6 +69,8 @@ class FairShare:
                 f"a grouped semaphore needs a group (a non-empty str) per attempt, got {group!r}",
                 name=name,
             )
+        if "\0" in group:
+            raise ConfigurationError(f"group {group!r} must not contain NUL", name=name)
         if len(group) > MAX_GROUP_LENGTH:
             raise ConfigurationError(
                 f"group is {len(group)} characters long; the maximum is {MAX_GROUP_LENGTH}",

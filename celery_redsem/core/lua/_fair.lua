@@ -9,8 +9,10 @@
 --   fw:<group>  ZSET  permit id -> ticket (FIFO line of the group)
 --   fwx:<group> ZSET  permit id -> waiter lease expiry (ms)
 --   fg:<group>  HASH  'f' finish tag of its last grant, 'w' weight, 'n' grants served
---   fh:<group>  ZSET  permit id -> fencing token of the group's grants (checked against the
---                     holders hash before it is counted: a lease that ended is not counted)
+--   fh          ZSET  '<group>\0<permit id>' (score 0, in lexical order) for every grant of a
+--                     group, checked against the holders hash and `fair` before it is counted:
+--                     a lease that ended is not counted. refresh.lua keeps `fair` and `fh` as
+--                     long as the holders hash, so a long-held grant keeps its group.
 -- A grant goes to the head of the group with the smallest start tag (start-time fair
 -- queueing): the grant's start S is the group's tag, its finish S + 1 / weight becomes the
 -- group's next tag; a group that starts waiting gets max(virtual time, its last finish), so it
@@ -21,7 +23,7 @@ local MAX_WEIGHT = 1000000
 local function fair_helpers(holders, now, h)
   local f = {}
   local base = string.sub(holders, 1, #holders - 7)
-  f.fair, f.fq, f.fcap = base .. 'fair', base .. 'fq', base .. 'fcap'
+  f.fair, f.fq, f.fcap, f.fh = base .. 'fair', base .. 'fq', base .. 'fcap', base .. 'fh'
   f.budget = 100 -- dead places and empty groups one call clears at most
 
   function f.key(kind, group)
@@ -69,37 +71,46 @@ local function fair_helpers(holders, now, h)
     return nil
   end
 
-  -- Live holders of `group`: entries of fh:<group> whose grant is still held and not expired
-  -- (the others are removed).
+  -- The member of fh for a grant of `group` to `id`.
+  function f.grant(group, id)
+    return group .. '\0' .. id
+  end
+
+  -- Live holders of `group` (nil: of every group): entries of fh whose permit id is held, not
+  -- expired, and still of that group (the others are removed).
   function f.held(group)
-    local hk = f.key('fh', group)
-    local rows = redis.call('ZRANGE', hk, 0, -1, 'WITHSCORES')
+    local rows
+    if group then
+      rows = redis.call('ZRANGEBYLEX', f.fh, '[' .. group .. '\0', '(' .. group .. '\1')
+    else
+      rows = redis.call('ZRANGE', f.fh, 0, -1)
+    end
     if #rows == 0 then
       return 0
     end
-    local ids = {}
-    for i = 1, #rows, 2 do
-      ids[#ids + 1] = rows[i]
+    local ids, groups = {}, {}
+    for i, row in ipairs(rows) do
+      groups[i], ids[i] = string.match(row, '^(.-)%z(.*)$')
     end
     local entries = redis.call('HMGET', holders, unpack(ids))
+    local owners = redis.call('HMGET', f.fair, unpack(ids))
     local live, dead = 0, {}
     for i, id in ipairs(ids) do
-      local token, expiry = 0, 0
+      local _, expiry = 0, 0
       if entries[i] then
-        token, expiry = h.parse(entries[i])
+        _, expiry = h.parse(entries[i])
       end
-      if expiry > now and token == tonumber(rows[2 * i]) then
+      if expiry > now and owners[i] == groups[i] then
         live = live + 1
       else
-        dead[#dead + 1] = id
+        dead[#dead + 1] = rows[i]
+        if owners[i] == groups[i] and not redis.call('ZSCORE', f.key('fw', groups[i]), id) then
+          redis.call('HDEL', f.fair, id)
+        end
       end
     end
-    for _, id in ipairs(dead) do
-      redis.call('ZREM', hk, id)
-      if redis.call('HGET', f.fair, id) == group
-          and not redis.call('ZSCORE', f.key('fw', group), id) then
-        redis.call('HDEL', f.fair, id)
-      end
+    if #dead > 0 then
+      redis.call('ZREM', f.fh, unpack(dead))
     end
     return live
   end

@@ -69,9 +69,7 @@ if mine then
     local entry = string.format('%d:%d', token, expires)
     save(id, entry, expires)
     f.keep(f.fair, expires + idle_ttl)
-    if owner then
-      f.keep(f.key('fh', owner), expires + idle_ttl)
-    end
+    f.keep(f.fh, expires + idle_ttl)
     if mark == '1' then
       return {ok = entry .. ':renewed'}
     end
@@ -81,7 +79,7 @@ if mine then
 end
 if owner and owner ~= group then -- it held or waited in another group: that is over
   f.leave(owner, id)
-  redis.call('ZREM', f.key('fh', owner), id)
+  redis.call('ZREM', f.fh, f.grant(owner, id))
   redis.call('HDEL', f.fair, id)
 end
 
@@ -100,8 +98,8 @@ end
 local group_held = 0
 if group_limit > 0 then
   group_held = f.held(group)
-elseif redis.call('ZCARD', f.key('fh', group)) > limit then
-  f.held(group) -- more entries than can be live: clear the ended ones
+elseif redis.call('ZCARD', f.fh) > limit then
+  f.held(nil) -- more entries than can be live: clear the ended ones
 end
 local capped = group_limit > 0 and group_held >= group_limit
 f.park(group, capped, vt)
@@ -146,7 +144,7 @@ if eligible then
   fence = math.max(fence + 1, now_us)
   redis.call('HSET', gk, 'f', f.tag(finish), 'w', f.tag(weight), 'n', served)
   redis.call('HSET', f.fair, ':vt', f.tag(vt), ':glimit', group_limit, id, group)
-  redis.call('ZADD', f.key('fh', group), fence, id)
+  redis.call('ZADD', f.fh, 0, f.grant(group, id))
   redis.call('ZREM', f.fq, group)
   redis.call('ZREM', f.fcap, group)
   if f.head(group) then -- still waiting: its next head starts where this grant finishes
@@ -159,7 +157,7 @@ if eligible then
   local entry = string.format('%d:%d', fence, expires)
   save(id, entry, expires)
   local keep = expires + idle_ttl
-  for _, key in ipairs({f.fair, gk, f.key('fh', group), f.fq, f.fcap}) do
+  for _, key in ipairs({f.fair, gk, f.fh, f.fq, f.fcap}) do
     f.keep(key, keep)
   end
   f.wake(free - 1)

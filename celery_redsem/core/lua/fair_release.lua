@@ -25,7 +25,7 @@ local now = server_now()
 local h = helpers()
 local f = fair_helpers(holders, now, h)
 if result == 1 then
-  redis.call('ZREM', f.key('fh', group), id)
+  redis.call('ZREM', f.fh, f.grant(group, id))
   redis.call('HDEL', f.fair, id)
 elseif not mine and any and f.leave(group, id) then
   result = 2
