@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from celery_redsem import FairSemaphore, Permit, Waiting
+from celery_redsem import FairSemaphore
+from tests.test_model import check_reply
 
 IDS = [f"t{i}" for i in range(7)]
 GROUPS = ["a", "b", "c"]
@@ -143,16 +144,7 @@ def test_fair_scripts_match_the_model(redis_client, prefix, limit, group_limit, 
             continue
         granted, position = model.attempt(pid, group, weight, join)
         result = sem.attempt(pid, join_line=join, group=group, weight=weight)
-        if granted:
-            assert isinstance(result, Permit)
-            if pid in tokens:
-                assert result.token == tokens[pid]
-            else:
-                assert result.token > last_token
-                tokens[pid] = last_token = result.token
-        else:
-            assert isinstance(result, Waiting)
-            assert result.position == position
+        last_token = check_reply(result, granted, position, pid, tokens, last_token)
         groups = {g.group: (g.holders, g.waiting, g.at_limit) for g in sem.groups()}
         expected = {
             g: (model.held_by(g), len(model.lines.get(g, [])), g in model.capped)

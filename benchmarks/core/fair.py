@@ -42,7 +42,7 @@ LONG = 3600.0  # leases long enough that nothing expires during a run
 class Line:
     """A semaphore of limit 1 with a full line, cycled grant by grant (see the module doc)."""
 
-    def __init__(self, sem: FairSemaphore, places: list[tuple[str, str | None]]) -> None:
+    def __init__(self, sem: FairSemaphore, places: Sequence[tuple[str, str | None]]) -> None:
         self.sem = sem
         self.order: deque[tuple[str, str | None]] = deque()
         first_pid, first_group = places[0]

@@ -179,19 +179,14 @@ class SemaphoreSpec:
         return self._settings(lease, join_line, back_in_seconds(back_in, lease)) + pid
 
     def _attempt_args(
-        self,
-        pid: str,
-        *,
-        join_line: bool = False,
-        waiter_lease: float | None = None,
-        back_in: float = 0.0,
-        group: str | None = None,
-        weight: float = 1.0,
+        self, pid: str, **options: Unpack[AttemptOptions]
     ) -> tuple[LuaScript, tuple[str, ...]]:
         """The script an attempt of ``pid`` runs and its ARGV: acquire.lua's without a group,
         fair_acquire.lua's with one (see ``attempt``)."""
-        arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
-        return self._fair_args(arg, group, weight, back_in)
+        back_in = options.get("back_in", 0.0)
+        join, lease = options.get("join_line", False), options.get("waiter_lease")
+        arg = self._acquire_arg(pid, join, lease, back_in)
+        return self._fair_args(arg, options.get("group"), options.get("weight", 1.0), back_in)
 
     def _fair_args(
         self, arg: str, group: str | None, weight: float, back_in: float

@@ -4,13 +4,13 @@ its per-group keys too, in one slot; grants, the fair order and wake-ups across 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 
 import pytest
 from redis.cluster import RedisCluster
 
 from celery_redsem import FairSemaphore, Permit, Waiting
 from celery_redsem.core.keys import SemaphoreKeys
+from tests.scale.test_cluster import assert_one_slot_per_name
 from tests.servers import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
@@ -37,19 +37,7 @@ def test_every_key_of_a_grouped_semaphore_shares_one_slot(
         assert isinstance(sem.attempt("c-0", join_line=True, group="c"), Waiting)
         groups = {g.group: (g.holders, g.waiting, g.at_limit) for g in sem.groups()}
         assert groups == {"a": (1, 1, True), "b": (1, 0, False), "c": (0, 1, False)}
-    by_name: dict[str, set[int]] = defaultdict(set)
-    for node in cluster.nodes:
-        client = node.client()
-        try:
-            keys = [k.decode() for k in client.scan_iter(match=f"{scale_prefix}:*", count=500)]
-        finally:
-            client.close()
-        for key in keys:
-            name = SemaphoreKeys.name_from_key(scale_prefix, key)
-            assert name in names, key
-            by_name[name].add(int(cluster_client.keyslot(key)))
-    assert set(by_name) == set(names)
-    assert all(len(slots) == 1 for slots in by_name.values())
+    assert_one_slot_per_name(cluster, cluster_client, scale_prefix, names)
 
 
 def test_a_release_wakes_the_next_group_on_its_node(

@@ -61,21 +61,16 @@ end
 
 local owner = redis.call('HGET', f.fair, id)
 if mine then
-  local token, expiry = h.parse(mine)
-  if expiry > now then
-    if expires < next_expiry then -- a shorter lease than before: keep ':next' a lower bound
-      next_expiry = expires
-    end
-    local entry = string.format('%d:%d', token, expires)
+  local entry
+  entry, next_expiry = h.renew(mine, now, expires, next_expiry)
+  if not entry then
+    redis.call('HDEL', holders, id) -- expired: the caller is a newcomer
+  else
     save(id, entry, expires)
     f.keep(f.fair, expires + idle_ttl)
     f.keep(f.fh, expires + idle_ttl)
-    if mark == '1' then
-      return {ok = entry .. ':renewed'}
-    end
-    return {ok = entry}
+    return {ok = mark == '1' and entry .. ':renewed' or entry}
   end
-  redis.call('HDEL', holders, id)
 end
 if owner and owner ~= group then -- it held or waited in another group: that is over
   f.leave(owner, id)
@@ -151,9 +146,7 @@ if eligible then
     local full = group_limit > 0 and group_held + 1 >= group_limit
     redis.call('ZADD', full and f.fcap or f.fq, f.tag(finish), group)
   end
-  if next_expiry == 0 or expires < next_expiry then
-    next_expiry = expires
-  end
+  next_expiry = next_expiry == 0 and expires or math.min(next_expiry, expires)
   local entry = string.format('%d:%d', fence, expires)
   save(id, entry, expires)
   local keep = expires + idle_ttl
