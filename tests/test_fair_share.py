@@ -205,7 +205,9 @@ def test_fencing_tokens_increase_across_groups(redis_client, prefix):
 
 
 def test_blocked_waiters_are_woken_by_the_fair_order(redis_client, prefix):
-    sem = grouped(redis_client, prefix, limit=1, waiter_lease=30)
+    # A blocked waiter polls only every waiter_lease / 3 (20 s): within 10 s only a release's
+    # wake-up (to the next group's head) gets it going.
+    sem = grouped(redis_client, prefix, limit=1, waiter_lease=60)
     first = sem.acquire(group="a")
     assert first is not None
     order: list[str] = []
@@ -213,16 +215,22 @@ def test_blocked_waiters_are_woken_by_the_fair_order(redis_client, prefix):
     for pid, group in [("a-1", "a"), ("a-2", "a"), ("b-1", "b")]:
 
         def run(pid: str = pid, group: str = group) -> None:
-            with sem.hold(timeout=20, permit_id=pid, group=group):
+            with sem.hold(permit_id=pid, group=group):
                 order.append(pid)
 
         assert isinstance(join(sem, pid, group), Waiting)  # joins in this order
         threads.append(threading.Thread(target=run))
     for t in threads:
         t.start()
+
+    def blocked() -> bool:
+        return sum(c.get("cmd") == "blpop" for c in redis_client.client_list()) >= 3
+
+    wait_until(blocked, 10, what="the three waiters to block")
     sem.release(first)
+    wait_until(lambda: len(order) == 3, 10, what="each to be woken in turn")
     for t in threads:
-        t.join(20)
+        t.join(10)
     assert order == ["b-1", "a-1", "a-2"]  # b has had no grant; a one
 
 
