@@ -1,5 +1,6 @@
-"""Grouped (fair-share) semaphores on a real 3-primary Redis Cluster: every key of a semaphore,
-its per-group keys too, in one slot; grants, the fair order and wake-ups across the nodes."""
+"""Grouped (fair-share) semaphores on a real 3-primary Redis Cluster (every key of a semaphore,
+its per-group keys too, in one slot; grants, the fair order and wake-ups across the nodes), and
+with min_replicas on a primary with a replica."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from redis.cluster import RedisCluster
 
 from celery_redsem import FairSemaphore, Permit, Waiting
 from celery_redsem.core.keys import SemaphoreKeys
+from celery_redsem.core.state import read_groups
 from tests.scale.test_cluster import assert_one_slot_per_name
 from tests.servers import Cluster, wait_until
 
@@ -66,3 +68,28 @@ def test_a_release_wakes_the_next_group_on_its_node(
         assert isinstance(got[0], Permit)  # b before a's second: a was served once, b never
         assert got[0].token > held.token
         assert isinstance(sem.attempt("a-1", join_line=True, group="a"), Waiting)
+
+
+def test_a_grouped_grant_with_min_replicas_is_on_the_replica(replicated, scale_prefix):
+    primary = replicated.primary.client(socket_timeout=5)
+    try:
+        sem = FairSemaphore(
+            primary, "acked", 1, prefix=scale_prefix, grouped=True, min_replicas=1, lease=30
+        )
+        permit = sem.attempt("a-0", group="a")
+        assert isinstance(permit, Permit)
+        replica = replicated.replicas[0].client()
+        try:  # WAIT returned before the reply: the replica has the grant and its group
+            assert {
+                g.group: g.holders for g in read_groups(replica, "acked", prefix=scale_prefix)
+            } == {"a": 1}
+        finally:
+            replica.close()
+        again = sem.attempt("a-0", group="a")  # a renewal, acknowledged: the same grant
+        assert isinstance(again, Permit)
+        assert again.token == permit.token
+        assert isinstance(sem.attempt("b-0", join_line=True, group="b"), Waiting)
+        assert sem.release(permit)
+        assert isinstance(sem.attempt("b-0", join_line=True, group="b"), Permit)
+    finally:
+        primary.close()
