@@ -305,3 +305,19 @@ def test_a_grant_refreshed_past_the_idle_ttl_still_counts_for_its_group(redis_cl
     assert isinstance(sem.acquire(group="b"), Permit)
     assert sem.release(permit)  # type: ignore[arg-type]
     assert isinstance(sem.acquire(group="a"), Permit)
+
+
+def test_a_waiter_that_never_comes_back_drops_out_of_the_fair_line(redis_client, prefix):
+    sem = grouped(redis_client, prefix, limit=1)
+    held = sem.acquire(group="a")
+    assert held is not None
+    gone = sem.attempt("b-0", join_line=True, group="b", waiter_lease=2)  # never comes back
+    assert isinstance(gone, Waiting)
+    assert isinstance(join(sem, "c-0", "c"), Waiting)
+    assert sem.release(held)
+    # b-0's group is first (same start, b before c): the permit is its for now; once its
+    # waiter lease ends c-0 gets it, and b leaves the groups.
+    assert isinstance(join(sem, "c-0", "c"), Waiting)
+    granted = wait_until(lambda: isinstance(join(sem, "c-0", "c"), Permit), 5, what="c-0")
+    assert granted
+    assert [g.group for g in sem.groups()] == ["c"]
