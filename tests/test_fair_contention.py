@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from celery_redsem import FairSemaphore
+from tests.test_contention import collect
 
 WORKERS = {"a": 2.0, "b": 1.0, "c": 1.0}  # group -> weight; three processes a group
 
@@ -62,15 +63,7 @@ def _run(
     for proc in procs:
         proc.start()
     start.wait(60)
-    results = [out.get(timeout=120) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=30)
-        assert proc.exitcode == 0
-    client = redis.Redis.from_url(url)
-    for key in client.scan_iter(match=f"{prefix}:*"):
-        client.delete(key)
-    client.close()
-    return results
+    return collect(procs, out, url, prefix)
 
 
 def test_nine_processes_in_three_groups_never_exceed_either_limit(redis_url):
