@@ -63,6 +63,12 @@ def _run(url: str, skews: list[float], rounds: int, seconds: float) -> list[tupl
     for proc in procs:
         proc.start()
     start.wait(60)  # all set up: go
+    return collect(procs, out, url, prefix)
+
+
+def collect(procs: list[Any], out: Any, url: str, prefix: str) -> list[Any]:
+    """Each process's result from ``out``; then check every process ended well, and delete the
+    run's keys (under ``prefix``)."""
     results = [out.get(timeout=120) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)
@@ -70,6 +76,7 @@ def _run(url: str, skews: list[float], rounds: int, seconds: float) -> list[tupl
     client = redis.Redis.from_url(url)
     for key in client.scan_iter(match=f"{prefix}:*"):
         client.delete(key)
+    client.close()
     return results
 
 

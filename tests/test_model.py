@@ -65,6 +65,29 @@ class Model:
         return False
 
 
+def check_reply(
+    result: Permit | Waiting,
+    granted: bool,
+    position: int,
+    pid: str,
+    tokens: dict[str, int],
+    last_token: int,
+) -> int:
+    """Check an attempt's reply against the model's answer (``granted``, ``position``): a
+    holder keeps its token, a new grant gets a higher one. Returns the last token granted."""
+    if not granted:
+        assert isinstance(result, Waiting)
+        assert result.position == position
+        return last_token
+    assert isinstance(result, Permit)
+    if pid in tokens:
+        assert result.token == tokens[pid]
+        return last_token
+    assert result.token > last_token
+    tokens[pid] = result.token
+    return result.token
+
+
 @settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -91,16 +114,7 @@ def test_scripts_match_the_model(redis_client, prefix, limit, ops):
         granted, position = model.attempt(pid, mode)
         back_in = 30.0 if mode == "away" else 0.0
         result = sem.attempt(pid, join_line=mode != "try", waiter_lease=60, back_in=back_in)
-        if granted:
-            assert isinstance(result, Permit)
-            if pid in tokens:
-                assert result.token == tokens[pid]
-            else:
-                assert result.token > last_token
-                tokens[pid] = last_token = result.token
-        else:
-            assert isinstance(result, Waiting)
-            assert result.position == position
+        last_token = check_reply(result, granted, position, pid, tokens, last_token)
         state = sem.state()
         assert sorted(h.permit_id for h in state.holders) == sorted(model.holders)
         assert [w.permit_id for w in state.waiters] == model.line

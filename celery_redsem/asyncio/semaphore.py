@@ -20,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from celery_redsem.asyncio.client import AsyncRedisClient, WakeWaiter, run_script, validate_client
 from celery_redsem.asyncio.renewal import Renewal
 from celery_redsem.core.errors import BackendError
+from celery_redsem.core.fair_share import FAIR_STATE
 from celery_redsem.core.keys import declared_keys
 from celery_redsem.core.permits import (
     HolderInfo,
@@ -29,9 +30,9 @@ from celery_redsem.core.permits import (
     Waiting,
 )
 from celery_redsem.core.refresh import refresh_args, renewed
-from celery_redsem.core.scripts import ACQUIRE, REFRESH, RELEASE, STATE
+from celery_redsem.core.scripts import REFRESH, STATE
 from celery_redsem.core.semaphore_spec import AttemptOptions, CommonOptions, SemaphoreSpec, naming
-from celery_redsem.core.state import state_from_reply
+from celery_redsem.core.state import GroupInfo, groups_from_reply, state_from_reply
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack
@@ -47,8 +48,9 @@ class FairSemaphore(SemaphoreSpec):
         client: a ``redis.asyncio.Redis`` (also Sentinel's ``master_for``) or
             ``redis.asyncio.cluster.RedisCluster``.
         name, limit: as for the sync :class:`~celery_redsem.FairSemaphore`.
-        options: ``lease``, ``waiter_lease``, ``idle_ttl``, ``prefix``, ``clock``, with the
-            sync semaphore's meaning and defaults (``min_replicas`` is sync only).
+        options: ``lease``, ``waiter_lease``, ``idle_ttl``, ``prefix``, ``clock``,
+            ``grouped``, ``group_limit``, with the sync semaphore's meaning and defaults
+            (``min_replicas`` is sync only).
 
     A blocking wait sleeps on the same wake-up list a release (sync or asyncio) pushes to,
     over a connection of its own: it never holds one of the client's pool.
@@ -71,12 +73,12 @@ class FairSemaphore(SemaphoreSpec):
         self, permit_id: str | None = None, **options: Unpack[AttemptOptions]
     ) -> Permit | Waiting:
         """One try, one round trip: a :class:`~celery_redsem.Permit`, or where the caller
-        stands in line. The options (``join_line``, ``waiter_lease``, ``back_in``) are the
-        sync :meth:`celery_redsem.FairSemaphore.attempt`'s."""
+        stands in line. The options (``join_line``, ``waiter_lease``, ``back_in``, ``group``,
+        ``weight``) are the sync :meth:`celery_redsem.FairSemaphore.attempt`'s."""
         pid = self._permit_id(permit_id)
         try:
-            arg = self._acquire_arg(pid, **options)
-            reply = await run_script(ACQUIRE, self.client, self._keys, [arg], self.name)
+            script, args = self._attempt_args(pid, **options)
+            reply = await run_script(script, self.client, self._keys, [*args], self.name)
         except BackendError as exc:
             naming(exc, pid)
             raise
@@ -88,19 +90,26 @@ class FairSemaphore(SemaphoreSpec):
         timeout: float | None = None,
         *,
         permit_id: str | None = None,
+        group: str | None = None,
+        weight: float = 1.0,
     ) -> Permit | None:
         """Take a permit; ``None`` if none could be had (as the sync
-        :meth:`celery_redsem.FairSemaphore.acquire`).
+        :meth:`celery_redsem.FairSemaphore.acquire`, ``group`` and ``weight`` too).
 
         A blocking wait is woken by any release of the semaphore, sync or asyncio. If the call
         is cancelled, the permit id gives up whatever it was granted or its place in line: a
         grant whose reply the cancellation cut off is not kept for a lease.
         """
-        permit, _ = await self._acquire(blocking, timeout, permit_id)
+        permit, _ = await self._acquire(blocking, timeout, permit_id, group, weight)
         return permit
 
     async def _acquire(
-        self, blocking: bool, timeout: float | None, permit_id: str | None
+        self,
+        blocking: bool,
+        timeout: float | None,
+        permit_id: str | None,
+        group: str | None = None,
+        weight: float = 1.0,
     ) -> tuple[Permit | None, float]:
         """``acquire``, and when (clock time) the request that was granted was sent."""
         deadline = self._deadline(blocking, timeout)
@@ -109,7 +118,7 @@ class FairSemaphore(SemaphoreSpec):
         try:
             while True:
                 sent = self._clock()
-                result = await self.attempt(pid, join_line=blocking)
+                result = await self.attempt(pid, join_line=blocking, group=group, weight=weight)
                 if isinstance(result, Permit):
                     return result, sent
                 wait = self._next_wait(deadline) if blocking else None
@@ -135,6 +144,8 @@ class FairSemaphore(SemaphoreSpec):
         *,
         permit_id: str | None = None,
         keep_alive: bool = False,
+        group: str | None = None,
+        weight: float = 1.0,
     ) -> AsyncIterator[Permit]:
         """``async with``: block for a permit (raise :class:`~celery_redsem.AcquireTimeout`),
         release on exit (as the sync :meth:`celery_redsem.FairSemaphore.hold`).
@@ -149,7 +160,7 @@ class FairSemaphore(SemaphoreSpec):
         does not keep the permit for its lease.
         """
         try:
-            permit, granted_at = await self._acquire(True, timeout, permit_id)
+            permit, granted_at = await self._acquire(True, timeout, permit_id, group, weight)
         except BackendError as exc:
             if exc.permit_id is not None:
                 with suppress(BackendError):
@@ -176,7 +187,8 @@ class FairSemaphore(SemaphoreSpec):
         """Give a permit back (or leave the line); idempotent and owner-checked (as the sync
         :meth:`celery_redsem.FairSemaphore.release`). True if something was given up."""
         arg = self._release_arg(permit)
-        return int(await run_script(RELEASE, self.client, self._keys, [arg], self.name)) > 0
+        script = self._release_script
+        return int(await run_script(script, self.client, self._keys, [arg], self.name)) > 0
 
     async def refresh(self, permit: Permit, *, lease: float | None = None) -> Permit:
         """Extend a held permit's lease (by ``lease`` seconds from now if given, else by its
@@ -196,6 +208,12 @@ class FairSemaphore(SemaphoreSpec):
         return state_from_reply(
             self.name, await run_script(STATE, self.client, self._keys, [], self.name)
         )
+
+    async def groups(self) -> list[GroupInfo]:
+        """The groups of a grouped semaphore (as the sync
+        :meth:`celery_redsem.FairSemaphore.groups`)."""
+        reply = await run_script(FAIR_STATE, self.client, self._keys, [], self.name)
+        return groups_from_reply(reply)
 
     async def holders(self) -> list[HolderInfo]:
         """Live holders, soonest expiry first."""

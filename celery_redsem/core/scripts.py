@@ -50,10 +50,15 @@ def _common() -> str:
 
 
 COMMON_MARKER = "-- @common\n"
+#: Where a fair-share script wants the fair-share helpers (``_fair.lua``), after the common ones.
+FAIR_MARKER = "-- @fair\n"
 
 
 def with_common(script: str) -> str:
-    """``script`` with the shared helpers in place of its ``-- @common`` line (or on top)."""
+    """``script`` with the shared helpers in place of its ``-- @common`` line (or on top), and
+    the fair-share helpers in place of its ``-- @fair`` line if it has one."""
+    if FAIR_MARKER in script:
+        script = script.replace(FAIR_MARKER, _read("_fair.lua") + "\n", 1)
     if COMMON_MARKER in script:
         return script.replace(COMMON_MARKER, _common() + "\n", 1)
     return _common() + "\n" + script

@@ -42,7 +42,6 @@ from celery_redsem.core.refresh import refresh_permits
 from celery_redsem.core.replication import connected_replicas, forget_primary, run_acknowledged
 from celery_redsem.core.scripts import (
     ACQUIRE,
-    RELEASE,
     LuaScript,
     as_text,
     script_failed,
@@ -54,7 +53,7 @@ from celery_redsem.core.semaphore_spec import (
     naming,
     validate_permit_id,
 )
-from celery_redsem.core.state import read_state
+from celery_redsem.core.state import GroupInfo, read_groups, read_state
 from celery_redsem.core.validation import SECONDS, count_rule, validate_name
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
@@ -84,6 +83,9 @@ class FairSemaphore(SemaphoreSpec):
             leaves nothing behind.
         prefix: first part of every key, to keep the plugin in its namespace.
         clock: monotonic clock for local deadlines (injectable for tests).
+        grouped: serve waiters by fair share across groups: every attempt names its
+            ``group`` (and may give a ``weight``); see :mod:`~celery_redsem.core.fair_share`.
+        group_limit: with ``grouped``, at most this many holders per group (None: no cap).
         min_replicas: a grant counts only once this many replicas acknowledged it (``WAIT``,
             sent with the acquire in one round trip); else it is released and the attempt is
             "not granted", or :class:`NotEnoughReplicas` is raised if the primary has fewer
@@ -108,6 +110,8 @@ class FairSemaphore(SemaphoreSpec):
         idle_ttl: float = DEFAULT_IDLE_TTL,
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.monotonic,
+        grouped: bool = False,
+        group_limit: int | None = None,
         min_replicas: int = 0,
         replica_timeout: float = DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
@@ -121,6 +125,8 @@ class FairSemaphore(SemaphoreSpec):
             idle_ttl=idle_ttl,
             prefix=prefix,
             clock=clock,
+            grouped=grouped,
+            group_limit=group_limit,
             mark_renewals=self.min_replicas > 0,
         )
         self._use_keys()
@@ -161,6 +167,8 @@ class FairSemaphore(SemaphoreSpec):
         join_line: bool = False,
         waiter_lease: float | None = None,
         back_in: float = 0.0,
+        group: str | None = None,
+        weight: float = 1.0,
     ) -> Permit | Waiting:
         """One try, one round trip: a :class:`Permit`, or where the caller stands in line.
 
@@ -173,6 +181,11 @@ class FairSemaphore(SemaphoreSpec):
         goes to whoever is present, in line order. From then on, until it comes back or its
         waiter lease ends, its place does hold one. It must be shorter than the waiter lease.
 
+        On a ``grouped`` semaphore every attempt names its ``group`` (a str), and the line is
+        served by fair share: a free permit goes to the head of the group with the smallest
+        share served (grants / ``weight``) among the groups with waiters (see
+        :mod:`~celery_redsem.core.fair_share`). ``back_in`` is not supported with a group.
+
         A :class:`BackendError` carries the permit id (``exc.permit_id``, drawn before sending
         when none was given): the request may have been granted with its reply lost, and
         releasing that id frees the permit.
@@ -180,37 +193,42 @@ class FairSemaphore(SemaphoreSpec):
         pid = self._permit_id(permit_id)
         try:
             arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
+            script: LuaScript = ACQUIRE
+            args: tuple[str, ...] = (arg,)
+            if group is not None or self.grouped or weight != 1:
+                script, args = self._fair_args(arg, group, weight, back_in)
             if self.min_replicas:
-                return self._attempt_acknowledged(pid, [arg])
+                return self._attempt_acknowledged(pid, [*args], script)
             # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two
             # calls); _retry handles NOSCRIPT and errors.
             try:
-                reply = self._execute("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, arg)
+                reply = self._execute("EVALSHA", script.sha_bytes, *self._key_args, *args)
             except REDIS_ERRORS as exc:
-                reply = self._retry(ACQUIRE, exc, arg)
+                reply = self._retry(script, exc, *args)
         except BackendError as exc:
             naming(exc, pid)
             raise
         return self._result(pid, reply)
 
     def attempt_command(self, permit_id: str, **options: Unpack[AttemptOptions]) -> tuple[Any, ...]:
-        """The command :meth:`attempt` sends (EVALSHA of acquire.lua), for a caller that sends
+        """The command :meth:`attempt` sends (EVALSHA of its script), for a caller that sends
         it its own way, such as an event loop that does not wait for the reply; decode the
         reply with :meth:`attempt_reply`, reload the script on ``NOSCRIPT`` with
         :meth:`load_scripts`. Not for ``min_replicas`` (whose ``WAIT`` goes with it)."""
-        arg = self._acquire_arg(validate_permit_id(permit_id), **options)
-        return ("EVALSHA", ACQUIRE.sha_bytes, *self._key_args, arg)
+        script, args = self._attempt_args(validate_permit_id(permit_id), **options)
+        return ("EVALSHA", script.sha_bytes, *self._key_args, *args)
 
     def attempt_reply(self, permit_id: str, reply: Any) -> Permit | Waiting:
         """Decode the reply to :meth:`attempt_command`'s command for ``permit_id``."""
         return self._result(permit_id, reply)
 
     def load_scripts(self) -> None:
-        """Load acquire.lua into the server's script cache (after a ``NOSCRIPT`` reply)."""
+        """Load the acquire script into the server's script cache (after a ``NOSCRIPT`` reply)."""
+        script = self._fair.acquire_script
         try:
-            self.client.script_load(ACQUIRE.source)
+            self.client.script_load(script.source)
         except REDIS_ERRORS as exc:
-            raise script_failed(ACQUIRE, self.name, exc) from exc
+            raise script_failed(script, self.name, exc) from exc
 
     def _retry(self, script: LuaScript, exc: BaseException, *args: Any) -> Any:
         """After ``script`` failed with ``exc``: run it again once the server lost it
@@ -222,11 +240,13 @@ class FairSemaphore(SemaphoreSpec):
         except REDIS_ERRORS as error:
             raise script_failed(script, self.name, error) from error
 
-    def _attempt_acknowledged(self, pid: str, args: list[Any]) -> Permit | Waiting:
+    def _attempt_acknowledged(
+        self, pid: str, args: list[Any], script: LuaScript = ACQUIRE
+    ) -> Permit | Waiting:
         """``attempt`` with ``WAIT``: a grant not acknowledged by enough replicas is not used."""
         try:
             reply, acked = run_acknowledged(
-                ACQUIRE,
+                script,
                 self.client,
                 self._keys,
                 args,
@@ -235,7 +255,8 @@ class FairSemaphore(SemaphoreSpec):
             )
         except REDIS_ERRORS as exc:
             raise BackendError(
-                f"Redis failed during acquire.lua + WAIT for {self.name!r}: {exc}", name=self.name
+                f"Redis failed during {script.filename} + WAIT for {self.name!r}: {exc}",
+                name=self.name,
             ) from exc
         renewed = False
         if isinstance(reply, bytes | str):  # a grant
@@ -270,6 +291,8 @@ class FairSemaphore(SemaphoreSpec):
         timeout: float | None = None,
         *,
         permit_id: str | None = None,
+        group: str | None = None,
+        weight: float = 1.0,
     ) -> Permit | None:
         """Take a permit. Returns ``None`` if none could be had.
 
@@ -277,16 +300,17 @@ class FairSemaphore(SemaphoreSpec):
         FIFO line, sleeping on a wake-up list that a release pushes to (bounded by the waiter
         lease, so a crashed holder's expiry is noticed too), for at most ``timeout`` seconds
         (``None``: no limit). A blocking caller that gives up leaves the line. A
-        :class:`BackendError` carries the permit id, as in :meth:`attempt`.
+        :class:`BackendError` carries the permit id, as in :meth:`attempt`. ``group`` and
+        ``weight`` are :meth:`attempt`'s.
         """
         deadline = self._deadline(blocking, timeout)
         if not blocking:
-            result = self.attempt(permit_id)
+            result = self.attempt(permit_id, group=group, weight=weight)
             return result if isinstance(result, Permit) else None
         pid = self._permit_id(permit_id)
         try:
             while True:
-                result = self.attempt(pid, join_line=True)
+                result = self.attempt(pid, join_line=True, group=group, weight=weight)
                 if isinstance(result, Permit):
                     return result
                 wait = self._next_wait(deadline)
@@ -305,6 +329,8 @@ class FairSemaphore(SemaphoreSpec):
         *,
         permit_id: str | None = None,
         keep_alive: bool = False,
+        group: str | None = None,
+        weight: float = 1.0,
     ) -> Iterator[Permit]:
         """Context manager: block for a permit (raise :class:`AcquireTimeout`), release on exit.
 
@@ -319,7 +345,9 @@ class FairSemaphore(SemaphoreSpec):
         effort) before the error propagates: a grant whose reply was lost is not kept a lease.
         """
         try:
-            permit = self.acquire(blocking=True, timeout=timeout, permit_id=permit_id)
+            permit = self.acquire(
+                blocking=True, timeout=timeout, permit_id=permit_id, group=group, weight=weight
+            )
         except BackendError as exc:
             if exc.permit_id is not None:
                 with suppress(BackendError):
@@ -367,9 +395,9 @@ class FairSemaphore(SemaphoreSpec):
         """
         arg = self._release_arg(permit)
         try:  # as in attempt(): EVALSHA sent over the lane, on every task end
-            reply = self._execute("EVALSHA", RELEASE.sha_bytes, *self._key_args, arg)
+            reply = self._execute("EVALSHA", self._release_script.sha_bytes, *self._key_args, arg)
         except REDIS_ERRORS as exc:
-            reply = self._retry(RELEASE, exc, arg)
+            reply = self._retry(self._release_script, exc, arg)
         return int(reply) > 0
 
     def refresh(self, permit: Permit, *, lease: float | None = None) -> Permit:
@@ -387,6 +415,11 @@ class FairSemaphore(SemaphoreSpec):
     def state(self) -> SemaphoreState:
         """A consistent snapshot: holders by lease expiry, waiters in line order."""
         return read_state(self.client, self.name, prefix=self.keys.prefix)
+
+    def groups(self) -> list[GroupInfo]:
+        """The groups of a grouped semaphore (waiting ones in the order they are served):
+        holders, waiters, weight and share served of each."""
+        return read_groups(self.client, self.name, prefix=self.keys.prefix)
 
     def holders(self) -> list[HolderInfo]:
         """Live holders, soonest expiry first."""

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, DEFAULT_LEASE, to_ms
 from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError, PermitLost
+from celery_redsem.core.fair_share import FairShare
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
 from celery_redsem.core.permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
 from celery_redsem.core.permits import Permit, Waiting
+from celery_redsem.core.scripts import LuaScript
 from celery_redsem.core.validation import (
     LIMIT,
     SECONDS,
@@ -50,6 +52,8 @@ class CommonOptions(TypedDict, total=False):
     idle_ttl: float
     prefix: str
     clock: Callable[[], float]
+    grouped: bool
+    group_limit: int | None
 
 
 class AttemptOptions(TypedDict, total=False):
@@ -59,6 +63,8 @@ class AttemptOptions(TypedDict, total=False):
     join_line: bool
     waiter_lease: float | None
     back_in: float
+    group: str | None
+    weight: float
 
 
 #: The options' defaults, the same for the sync and the asyncio semaphore.
@@ -68,6 +74,8 @@ COMMON_DEFAULTS: CommonOptions = {
     "idle_ttl": DEFAULT_IDLE_TTL,
     "prefix": DEFAULT_PREFIX,
     "clock": time.monotonic,
+    "grouped": False,
+    "group_limit": None,
 }
 
 
@@ -128,6 +136,10 @@ class SemaphoreSpec:
         self.idle_ttl: float = SECONDS.check(given["idle_ttl"], "idle_ttl")
         self.keys = SemaphoreKeys(validate_prefix(given["prefix"]), self.name)
         self._clock: Callable[[], float] = given["clock"]
+        self._fair = FairShare(given["grouped"], given["group_limit"], name=self.name)
+        self.grouped: bool = self._fair.grouped
+        self.group_limit: int | None = self._fair.group_limit
+        self._release_script: LuaScript = self._fair.release_script
         self._prefix = self.keys.prefix
         self._lease_ms = to_ms(self.lease)
         self._idle_ms = to_ms(self.idle_ttl)
@@ -165,6 +177,28 @@ class SemaphoreSpec:
         lease = self.waiter_lease if waiter_lease is None else waiter_lease
         lease = SECONDS.check(lease, "waiter_lease")
         return self._settings(lease, join_line, back_in_seconds(back_in, lease)) + pid
+
+    def _attempt_args(
+        self, pid: str, **options: Unpack[AttemptOptions]
+    ) -> tuple[LuaScript, tuple[str, ...]]:
+        """The script an attempt of ``pid`` runs and its ARGV: acquire.lua's without a group,
+        fair_acquire.lua's with one (see ``attempt``)."""
+        back_in = options.get("back_in", 0.0)
+        join, lease = options.get("join_line", False), options.get("waiter_lease")
+        arg = self._acquire_arg(pid, join, lease, back_in)
+        return self._fair_args(arg, options.get("group"), options.get("weight", 1.0), back_in)
+
+    def _fair_args(
+        self, arg: str, group: str | None, weight: float, back_in: float
+    ) -> tuple[LuaScript, tuple[str, ...]]:
+        """The script and ARGV for acquire.lua's ARGV[1] ``arg``, with or without a group."""
+        if group is None:
+            self._fair.check_ungrouped(weight, self.name)
+            return self._fair.acquire_script, (arg,)
+        return self._fair.acquire_script, (
+            arg,
+            self._fair.group_arg(group, weight, back_in, self.name),
+        )
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
         """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""

@@ -80,22 +80,31 @@ def test_every_key_of_a_semaphore_shares_one_slot(cluster, cluster_client, scale
         sem = FairSemaphore(cluster_client, name, 1, lease=30, prefix=scale_prefix)
         assert isinstance(sem.acquire(permit_id="holder"), Permit)
         sem.attempt("waiter", join_line=True)
+    per_node = assert_one_slot_per_name(cluster, cluster_client, scale_prefix, names)
+    assert all(count > 0 for count in per_node.values()), per_node
+
+
+def assert_one_slot_per_name(
+    cluster: Cluster, cluster_client: RedisCluster, prefix: str, names: list[str]
+) -> dict[int, int]:
+    """Check that the keys under ``prefix`` on every node are those of ``names``, each name's
+    in one slot; return how many keys each node (by port) holds."""
     by_name: dict[str, set[int]] = defaultdict(set)
     per_node: dict[int, int] = {}
     for node in cluster.nodes:
         client = node.client()
         try:
-            keys = [k.decode() for k in client.scan_iter(match=f"{scale_prefix}:*", count=500)]
+            keys = [k.decode() for k in client.scan_iter(match=f"{prefix}:*", count=500)]
         finally:
             client.close()
         per_node[node.port] = len(keys)
         for key in keys:
-            name = SemaphoreKeys.name_from_key(scale_prefix, key)
+            name = SemaphoreKeys.name_from_key(prefix, key)
             assert name in names, key
             by_name[name].add(int(cluster_client.keyslot(key)))
     assert set(by_name) == set(names)
     assert all(len(slots) == 1 for slots in by_name.values())
-    assert all(count > 0 for count in per_node.values()), per_node
+    return per_node
 
 
 def test_refresh_sends_one_script_call_per_slot_in_one_pipeline(

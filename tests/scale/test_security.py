@@ -13,7 +13,7 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
-from celery_redsem import FairSemaphore, Lock, Permit, read_state, refresh_permits
+from celery_redsem import FairSemaphore, Lock, Permit, Waiting, read_state, refresh_permits
 from celery_redsem.core.clients import client_from_url, redact_url
 from celery_redsem.core.errors import BackendError, ConfigurationError, NotEnoughReplicas
 from celery_redsem.integration.settings import reset
@@ -80,6 +80,14 @@ def _exercise_everything(client: redis.Redis, prefix: str) -> None:
     assert total == 1
     assert found[0].name == "market:1"
     assert force_release(client, "market:1", "task-2", prefix=prefix).released == "holder"
+    fair = FairSemaphore(client, "fair", 1, lease=30, prefix=prefix, grouped=True, group_limit=1)
+    held = fair.attempt("f-1", group="a")
+    assert isinstance(held, Permit)
+    assert isinstance(fair.attempt("f-2", join_line=True, group="b"), Waiting)
+    assert [g.group for g in fair.groups()] == ["b", "a"]
+    assert refresh_permits(client, [held]).refreshed
+    assert fair.release(held)
+    assert isinstance(fair.attempt("f-2", join_line=True, group="b"), Permit)
     acked = Lock(client, "acked", prefix=prefix, min_replicas=1, replica_timeout=0.05)
     with pytest.raises(NotEnoughReplicas):  # WAIT and INFO allowed: the clear error, not NOPERM
         acked.acquire()

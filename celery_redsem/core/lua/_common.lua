@@ -65,6 +65,19 @@ local function helpers()
     return tonumber(token), tonumber(expiry)
   end
 
+  -- A grant `mine` ('<token>:<expiry>') renewed to end at `expires`: its new entry (nil if
+  -- it expired by `now`), and `next_expiry` (':next') kept a lower bound.
+  function h.renew(mine, now, expires, next_expiry)
+    local token, expiry = h.parse(mine)
+    if expiry <= now then
+      return nil, next_expiry
+    end
+    if expires < next_expiry then -- a shorter lease than before: keep ':next' a lower bound
+      next_expiry = expires
+    end
+    return string.format('%d:%d', token, expires), next_expiry
+  end
+
   -- Sibling keys of `holders` ('<prefix>:{name}:holders'): waiters, waiter expiries, due times.
   -- Declared as KEYS[2..4] on Redis Cluster (so that Redis redirects a call while the slot
   -- migrates), else derived from the name.

@@ -108,12 +108,9 @@ end
 local h -- slow-path helpers, built only when needed
 if mine then
   h = helpers()
-  local token, expiry = h.parse(mine)
-  if expiry > now then
-    if expires < next_expiry then -- a shorter lease than before: keep ':next' a lower bound
-      next_expiry = expires
-    end
-    local entry = string.format('%d:%d', token, expires)
+  local entry
+  entry, next_expiry = h.renew(mine, now, expires, next_expiry)
+  if entry then
     save(id, entry, expires)
     if mark_renewal == '1' then
       return {ok = entry .. ':renewed'}

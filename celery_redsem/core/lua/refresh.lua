@@ -39,6 +39,10 @@ for i = 1, #KEYS do
       if horizon < expires + math.floor(idle_ttl / 2) then
         redis.call('HSET', holders, id, entry, ':horizon', expires + idle_ttl)
         redis.call('PEXPIREAT', holders, expires + idle_ttl)
+        -- A grouped semaphore's grants (fair_share.py) are kept as long as its holders.
+        local base = string.sub(holders, 1, #holders - 7)
+        redis.call('PEXPIREAT', base .. 'fair', expires + idle_ttl, 'GT')
+        redis.call('PEXPIREAT', base .. 'fh', expires + idle_ttl, 'GT')
       else
         redis.call('HSET', holders, id, entry)
       end

@@ -1,0 +1,166 @@
+-- Fair-share helpers: put into the fair scripts after _common.lua (scripts.py), never run alone.
+--
+-- Keys of a grouped semaphore, besides the holders hash (all '<prefix>:{name}:...', one slot):
+--   fair        HASH  ':vt' virtual time (start tag of the latest grant), ':ticket' last ticket,
+--                     ':glimit' the group limit the last caller asked for (0: none), and
+--                     permit id -> group for every holder and waiter
+--   fq          ZSET  group -> start tag of its head, for groups with waiters below their limit
+--   fcap        ZSET  group -> start tag of its head, for groups with waiters at their limit
+--   fw:<group>  ZSET  permit id -> ticket (FIFO line of the group)
+--   fwx:<group> ZSET  permit id -> waiter lease expiry (ms)
+--   fg:<group>  HASH  'f' finish tag of its last grant, 'w' weight, 'n' grants served
+--   fh          ZSET  '<group>\0<permit id>' (score 0, in lexical order) for every grant of a
+--                     group, checked against the holders hash and `fair` before it is counted:
+--                     a lease that ended is not counted. refresh.lua keeps `fair` and `fh` as
+--                     long as the holders hash, so a long-held grant keeps its group.
+-- A grant goes to the head of the group with the smallest start tag (start-time fair
+-- queueing): the grant's start S is the group's tag, its finish S + 1 / weight becomes the
+-- group's next tag; a group that starts waiting gets max(virtual time, its last finish), so it
+-- is served at once and an idle group banks no credit. Every key gets an idle TTL past the
+-- last lease or waiter lease in it. Dead heads (waiter lease ended) are removed when met.
+local MAX_WEIGHT = 1000000
+
+local function fair_helpers(holders, now, h)
+  local f = {}
+  local base = string.sub(holders, 1, #holders - 7)
+  f.fair, f.fq, f.fcap, f.fh = base .. 'fair', base .. 'fq', base .. 'fcap', base .. 'fh'
+  f.budget = 100 -- dead places and empty groups one call clears at most
+
+  function f.key(kind, group)
+    return base .. kind .. ':' .. group
+  end
+
+  function f.tag(str)
+    return string.format('%.17g', str)
+  end
+
+  -- Take `id` out of `group`'s line; drop the group from the queues once its line is empty.
+  -- Returns true if it had a place.
+  function f.leave(group, id)
+    if redis.call('ZREM', f.key('fw', group), id) == 0 then
+      return false
+    end
+    redis.call('ZREM', f.key('fwx', group), id)
+    redis.call('DEL', h.wake_key(holders, id))
+    if redis.call('HGET', f.fair, id) == group then
+      redis.call('HDEL', f.fair, id)
+    end
+    if redis.call('ZCARD', f.key('fw', group)) == 0 then
+      redis.call('ZREM', f.fq, group)
+      redis.call('ZREM', f.fcap, group)
+    end
+    return true
+  end
+
+  -- The first waiter of `group` whose waiter lease has not ended (removing dead ones, within
+  -- the budget), with its lease end; nil if none (or the budget ran out).
+  function f.head(group)
+    local line, lexp = f.key('fw', group), f.key('fwx', group)
+    while f.budget > 0 do
+      local first = redis.call('ZRANGE', line, 0, 0)[1]
+      if not first then
+        return nil
+      end
+      local until_ms = tonumber(redis.call('ZSCORE', lexp, first) or 0)
+      if until_ms > now then
+        return first, until_ms
+      end
+      f.budget = f.budget - 1
+      f.leave(group, first)
+    end
+    return nil
+  end
+
+  -- The member of fh for a grant of `group` to `id`.
+  function f.grant(group, id)
+    return group .. '\0' .. id
+  end
+
+  -- Live holders of `group` (nil: of every group): entries of fh whose permit id is held, not
+  -- expired, and still of that group (the others are removed).
+  function f.held(group)
+    local rows
+    if group then
+      rows = redis.call('ZRANGEBYLEX', f.fh, '[' .. group .. '\0', '(' .. group .. '\1')
+    else
+      rows = redis.call('ZRANGE', f.fh, 0, -1)
+    end
+    if #rows == 0 then
+      return 0
+    end
+    local ids, groups = {}, {}
+    for i, row in ipairs(rows) do
+      groups[i], ids[i] = string.match(row, '^(.-)%z(.*)$')
+    end
+    local entries = redis.call('HMGET', holders, unpack(ids))
+    local owners = redis.call('HMGET', f.fair, unpack(ids))
+    local live, dead = 0, {}
+    for i, id in ipairs(ids) do
+      local _, expiry = 0, 0
+      if entries[i] then
+        _, expiry = h.parse(entries[i])
+      end
+      if expiry > now and owners[i] == groups[i] then
+        live = live + 1
+      else
+        dead[#dead + 1] = rows[i]
+        if owners[i] == groups[i] and not redis.call('ZSCORE', f.key('fw', groups[i]), id) then
+          redis.call('HDEL', f.fair, id)
+        end
+      end
+    end
+    if #dead > 0 then
+      redis.call('ZREM', f.fh, unpack(dead))
+    end
+    return live
+  end
+
+  -- Move `group` between fq (may be served) and fcap (at its limit); a group coming back
+  -- from fcap starts no earlier than the virtual time `vt`.
+  function f.park(group, capped, vt)
+    if capped then
+      local tag = redis.call('ZSCORE', f.fq, group)
+      if tag then
+        redis.call('ZREM', f.fq, group)
+        redis.call('ZADD', f.fcap, tag, group)
+      end
+    else
+      local tag = redis.call('ZSCORE', f.fcap, group)
+      if tag then
+        redis.call('ZREM', f.fcap, group)
+        redis.call('ZADD', f.fq, f.tag(math.max(tonumber(tag), vt)), group)
+      end
+    end
+  end
+
+  -- Wake the heads of the first `free` groups of fq, so blocked waiters try at once.
+  function f.wake(free)
+    local i = 0
+    while free > 0 and f.budget > 0 do
+      local group = redis.call('ZRANGE', f.fq, i, i)[1]
+      if not group then
+        return
+      end
+      local id, until_ms = f.head(group)
+      if id then
+        local key = h.wake_key(holders, id)
+        redis.call('LPUSH', key, '1')
+        redis.call('LTRIM', key, 0, 0)
+        redis.call('PEXPIRE', key, until_ms - now)
+        free, i = free - 1, i + 1
+      elseif f.budget > 0 then
+        redis.call('ZREM', f.fq, group) -- empty: its line is gone
+        redis.call('ZREM', f.fcap, group)
+      end
+    end
+  end
+
+  -- Let `key` live until `at` (ms) or later, if it exists.
+  function f.keep(key, at)
+    if redis.call('PEXPIREAT', key, at, 'GT') == 0 and redis.call('PTTL', key) == -1 then
+      redis.call('PEXPIREAT', key, at)
+    end
+  end
+
+  return f
+end
