@@ -40,6 +40,7 @@ if _TYPE_CHECKING:
     from celery_redsem.integration.dedupe.sender import install_dedupe
     from celery_redsem.integration.guards.decorators import (
         current_permit,
+        current_rate_limiter,
         with_lock,
         with_rate_limit,
         with_semaphore,
@@ -58,6 +59,7 @@ _CELERY_NAMES = {
     "get_config": "celery_redsem.integration.settings",
     "contention_retries": "celery_redsem.integration.wire",
     "current_permit": "celery_redsem.integration.guards.decorators",
+    "current_rate_limiter": "celery_redsem.integration.guards.decorators",
     "install_dedupe": "celery_redsem.integration.dedupe.sender",
     "reset_config": "celery_redsem.integration.settings",
     "with_lock": "celery_redsem.integration.guards.decorators",
@@ -108,6 +110,7 @@ __all__ = [
     "__version__",
     "contention_retries",
     "current_permit",
+    "current_rate_limiter",
     "get_client",
     "get_config",
     "install_dedupe",

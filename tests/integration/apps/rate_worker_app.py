@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 
-from tests.integration.apps.rate_tasks import add_rate_tasks, make_rate_only_app
-from tests.integration.apps.tasks import make_app
+from tests.integration.apps.rate_tasks import make_rate_app, make_rate_only_app
 
 _url, _prefix = os.environ["REDSEM_TEST_APP_URL"], os.environ["REDSEM_TEST_APP_PREFIX"]
 if os.environ.get("REDSEM_TEST_RATE_ONLY") == "1":
     app = make_rate_only_app(_url, _prefix)
 else:
-    app = make_app(_url, _prefix)
-    add_rate_tasks(app, _url, _prefix)
+    app = make_rate_app(_url, _prefix)

@@ -1,0 +1,217 @@
+"""Budgets under Celery (issue 41): a cost per start, several windows, units charged by the
+body after the fact; at decoration, in eager calls and (slow) through two real prefork workers.
+Bounds on units are strict; time bounds are loose (the pace is the benchmark's,
+``benchmarks/rate/``)."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redsem import ConfigurationError, KeyFunctionError, RateLimiter, with_rate_limit
+from celery_redsem.core.keys import SemaphoreKeys
+from celery_redsem.core.permit_ids import run_permit_id
+from tests.integration.apps.budget_tasks import (
+    CHARGE_RATE,
+    SPEND_BURST,
+    SPEND_RATE,
+    WINDOWS,
+)
+from tests.integration.apps.rate_tasks import make_rate_app, read_starts
+from tests.integration.conftest import close_app, running_workers
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    connection = redis.Redis.from_url(redis_url)
+    yield connection
+    connection.close()
+
+
+def _admitted(client: redis.Redis, prefix: str, name: str) -> dict[str, float]:
+    """Permit id -> server time (seconds) at which the limiter ``name`` admitted it (its line
+    keeps each admitted id for a minute, scored minus its admission time in microseconds)."""
+    line = SemaphoreKeys(prefix, name).rate_line
+    return {
+        (member.decode() if isinstance(member, bytes) else member): -score / 1e6
+        for member, score in client.zrange(line, 0, -1, withscores=True)
+        if score < 0
+    }
+
+
+def _assert_units_bound(taken: list[tuple[float, int]], rate: float, burst: int) -> None:
+    """Between any two admissions (both counted) at most ``burst + span x rate`` units."""
+    taken = sorted(taken)
+    for i, (start, _) in enumerate(taken):
+        units = 0
+        for at, cost in taken[i:]:
+            units += cost
+            assert units <= burst + (at - start) * rate + 1e-3, f"{units} in {at - start:.3f}s"
+
+
+def test_costs_and_windows_are_checked_at_decoration() -> None:
+    def task(prompt: str) -> None: ...
+
+    def misspelt(text: str) -> int:
+        return len(text)
+
+    with pytest.raises(ConfigurationError, match=r"cost of .*task must be an int >= 1 and <= 5"):
+        with_rate_limit("100/s", key="k", burst=5, cost=6)(task)
+    with pytest.raises(ConfigurationError, match=r"cost function .* asks for 'text'"):
+        with_rate_limit("100/s", key="k", cost=misspelt)(task)
+    with pytest.raises(ConfigurationError, match=r"rate of .*task: rate must be .*'10/w'"):
+        with_rate_limit(["10/s", "10/w"], key="k")(task)
+    with pytest.raises(ConfigurationError, match="burst has 1 entries for 2 rates"):
+        with_rate_limit(["10/s", "10/d"], key="k", burst=[1])(task)
+    # The smallest burst bounds the cost: here the first window's (the day's is its count).
+    with pytest.raises(ConfigurationError, match="<= 3"):
+        with_rate_limit(["10/s", "10000/d"], key="k", burst=3, cost=4)(task)
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
+    application = make_rate_app(redis_url, module_prefix)
+    yield application
+    close_app(application)
+
+
+def test_an_eager_call_takes_its_cost_and_a_cost_too_large_fails(
+    app: Celery, client: redis.Redis
+) -> None:
+    key, prefix = uuid.uuid4().hex[:10], app.conf.redsem_key_prefix
+    spend = app.tasks["r.spend"]
+    assert spend.apply(args=(key, 0, SPEND_BURST)).get() == 0
+    limiter = RateLimiter(client, f"spend:{key}", SPEND_RATE, burst=SPEND_BURST, prefix=prefix)
+    assert not limiter.attempt(cost=SPEND_BURST)  # the whole burst went to one start
+    with pytest.raises(KeyFunctionError, match=r"cost function .* returned 21: its cost must"):
+        spend.apply(args=(key, 1, SPEND_BURST + 1)).get()
+
+
+def test_an_eager_body_charges_its_own_key(app: Celery, client: redis.Redis) -> None:
+    key, prefix = uuid.uuid4().hex[:10], app.conf.redsem_key_prefix
+    assert app.tasks["r.charge"].apply(args=(key, 0, 30)).get() == 0
+    limiter = RateLimiter(client, f"charge:{key}", CHARGE_RATE, prefix=prefix)
+    assert 2.9 < limiter.attempt().retry_after <= 3.1  # one unit taken, thirty charged
+
+
+@pytest.fixture(scope="module")
+def prefork_app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
+    """The app of the two prefork workers, under a prefix of its own."""
+    application = make_rate_app(redis_url, f"{module_prefix}-prefork")
+    yield application
+    close_app(application)
+
+
+@pytest.fixture(scope="module")
+def workers(redis_url: str, prefork_app: Celery, tmp_path_factory: Any) -> Iterator[None]:
+    """Two real prefork workers, ``-c 4`` each, running the ``r.*`` tasks of ``prefork_app``."""
+    logs: Path = tmp_path_factory.mktemp("budget-workers")
+    prefix, module = prefork_app.conf.redsem_key_prefix, "tests.integration.apps.rate_worker_app"
+    with running_workers(redis_url, prefix, logs, ["ba", "bb"], 4, app_module=module):
+        yield
+
+
+SPEND_UNITS = [20, 5, 10, 20, 1, 15, 20, 8, 3, 20, 12, 6, 20, 2, 9, 20]  # 191 units
+
+
+@pytest.mark.slow
+def test_two_workers_space_starts_by_their_cost(
+    prefork_app: Celery, workers: None, client: redis.Redis
+) -> None:
+    """Runs of different costs on one key through two workers: in any span, the units admitted
+    stay within burst + span x rate; none fails (max_retries=0); most are parked by admission
+    until their slot (no trip through the broker)."""
+    key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
+    spend = prefork_app.tasks["r.spend"]
+    sent = [spend.delay(key, n, units) for n, units in enumerate(SPEND_UNITS)]
+    assert [r.get(timeout=60) for r in sent] == list(range(len(SPEND_UNITS)))
+    admitted = _admitted(client, prefix, f"spend:{key}")
+    taken = [(admitted[run_permit_id(r.id)], u) for r, u in zip(sent, SPEND_UNITS, strict=True)]
+    _assert_units_bound(taken, SPEND_RATE, SPEND_BURST)
+    starts = read_starts(client, prefix, key)
+    assert len(starts) == len(SPEND_UNITS)
+    assert {s.retries for s in starts} == {0}
+    # Parked by admission until its slot, a run goes to its child just before it; a child
+    # later than IN_SLOT (a loaded host) delays the runs booked after it, and one of those
+    # may then go through the broker for its slot: seldom, never most.
+    assert sum(s.trips for s in starts) <= len(starts) // 4, "runs went through the broker"
+    # Ideal: the first start takes the burst, the rest come at the rate: 1.71 s in all.
+    times = sorted(at for at, _ in taken)
+    ideal = (sum(SPEND_UNITS) - SPEND_BURST) / SPEND_RATE
+    assert times[-1] - times[0] >= ideal - (SPEND_UNITS[-1] - 1) / SPEND_RATE
+    assert times[-1] - times[0] < 2 * ideal + 1
+
+
+@pytest.mark.slow
+def test_two_workers_fail_a_cost_too_large_visibly(
+    prefork_app: Celery, workers: None, client: redis.Redis
+) -> None:
+    key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
+    result = prefork_app.tasks["r.spend"].delay(key, 0, SPEND_BURST + 1)
+    with pytest.raises(KeyFunctionError, match="returned 21: its cost must"):
+        result.get(timeout=30)
+    assert result.state == "FAILURE"
+    assert read_starts(client, prefix, key) == []  # the body never ran...
+    assert not client.exists(SemaphoreKeys(prefix, f"spend:{key}").rate)  # ...nor took units
+    assert prefork_app.tasks["r.spend"].delay(key, 1, SPEND_BURST).get(timeout=30) == 1
+
+
+def _tats(client: redis.Redis, prefix: str, name: str) -> list[Any]:
+    return client.hmget(SemaphoreKeys(prefix, name).rate, "tat", "atat", "tat:2", "atat:2")
+
+
+@pytest.mark.slow
+def test_two_workers_consume_no_window_on_a_refusal_by_another(
+    prefork_app: Celery, workers: None, client: redis.Redis
+) -> None:
+    """``["10/s", "4/m"]``: four runs start at the pace of the first window, each taking one
+    unit of the minute's four (refusals by the first window took none of them); a fifth,
+    refused by the minute window beyond its max_wait, fails visibly and changes no window."""
+    key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
+    name, windows = f"win:{key}", prefork_app.tasks["r.windows"]
+    sent = [windows.delay(key, n) for n in range(4)]
+    assert [r.get(timeout=30) for r in sent] == [0, 1, 2, 3]
+    times = sorted(_admitted(client, prefix, name).values())
+    assert len(times) == 4
+    assert all(b - a >= 0.1 - 1e-3 for a, b in itertools.pairwise(times))
+    limiter = RateLimiter(client, name, WINDOWS, prefix=prefix)
+    minute = limiter.state().windows[1]
+    assert minute.remaining == 0
+    assert minute.tat_us is not None
+    # Four units of 15 s from the first admission (the minute's TAT starts there): exactly.
+    assert abs(minute.tat_us / 1e6 - (times[0] + 4 * 15.0)) < 1e-3
+    before = _tats(client, prefix, name)
+    refused = windows.delay(key, 4)
+    with pytest.raises(Exception, match="more than max_wait") as failed:
+        refused.get(timeout=30)
+    assert type(failed.value).__name__ == "AcquireTimeout"
+    assert _tats(client, prefix, name) == before
+    assert len(read_starts(client, prefix, key)) == 4
+
+
+@pytest.mark.slow
+def test_two_workers_delay_later_starts_by_units_charged(
+    prefork_app: Celery, workers: None, client: redis.Redis
+) -> None:
+    """A body that charges 10 units after its start (at 10/s) delays the key's next start by
+    the second they take, on whichever worker runs it; without a charge the next one follows
+    at the rate."""
+    key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
+    charge = prefork_app.tasks["r.charge"]
+    first = charge.delay(key, 0, 10)
+    assert first.get(timeout=30) == 0
+    later = [charge.delay(key, n) for n in (1, 2)]
+    assert [r.get(timeout=30) for r in later] == [1, 2]
+    admitted = _admitted(client, prefix, f"charge:{key}")
+    t0 = admitted[run_permit_id(first.id)]
+    t1, t2 = sorted(admitted[run_permit_id(r.id)] for r in later)  # in either order
+    assert t1 - t0 >= 1.1 - 1e-3  # its own unit and the ten charged
+    assert t2 - t1 >= 0.1 - 1e-3
+    assert t2 - t1 < 1.0  # nothing charged: the rate alone
