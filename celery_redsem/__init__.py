@@ -45,6 +45,7 @@ if _TYPE_CHECKING:
         with_rate_limit,
         with_semaphore,
     )
+    from celery_redsem.integration.guards.rate_guard import pause_and_retry
     from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
     from celery_redsem.integration.settings import reset as reset_config
     from celery_redsem.integration.wire import contention_retries
@@ -61,6 +62,7 @@ _CELERY_NAMES = {
     "current_permit": "celery_redsem.integration.guards.decorators",
     "current_rate_limiter": "celery_redsem.integration.guards.decorators",
     "install_dedupe": "celery_redsem.integration.dedupe.sender",
+    "pause_and_retry": "celery_redsem.integration.guards.rate_guard",
     "reset_config": "celery_redsem.integration.settings",
     "with_lock": "celery_redsem.integration.guards.decorators",
     "with_rate_limit": "celery_redsem.integration.guards.decorators",
@@ -114,6 +116,7 @@ __all__ = [
     "get_client",
     "get_config",
     "install_dedupe",
+    "pause_and_retry",
     "read_state",
     "refresh_permits",
     "reset_config",

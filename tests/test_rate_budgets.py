@@ -217,3 +217,74 @@ def test_asyncio_callers_share_the_budget_of_sync_ones(
 
     asyncio.run(main())
     assert [w.remaining for w in sync.state().windows][1] == 15
+
+
+def test_a_paused_limiter_admits_and_books_nobody_until_it_ends(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    limiter = RateLimiter(redis_client, "p", "100/s", burst=5, prefix=prefix)
+    other = RateLimiter(redis_client, "q", "100/s", burst=5, prefix=prefix)
+    assert limiter.attempt("before")
+    assert limiter.pause(0.3) == 0.3
+    assert limiter.pause(0.1) > 0.2  # a shorter pause leaves the longer one
+    keys = SemaphoreKeys(prefix, "p")
+    assert 0 < redis_client.pttl(keys.pause) <= 300
+    for refused in (
+        limiter.attempt(),
+        limiter.attempt("a", book=True),
+        limiter.attempt("b", reserve=True),
+    ):
+        assert (refused.admitted, refused.booked, refused.paused) == (False, False, True)
+        assert 0.2 < refused.retry_after <= 0.3
+    assert limiter.state().booked == 0
+    assert 0.2 < limiter.state().paused <= 0.3
+    assert other.attempt()  # other names are untouched
+    limiter.charge(1)  # a charge goes through a pause
+    assert [w.remaining for w in limiter.state().windows] == [3]
+    assert not limiter.wait(0.1)  # the pause ends later than that
+    started = time.monotonic()
+    assert limiter.wait(1)  # slept through the pause
+    assert 0.15 < time.monotonic() - started < 0.5
+    assert limiter.state().paused == 0
+    assert not redis_client.exists(keys.pause)  # expired
+
+
+def test_resume_ends_a_pause_and_forget_takes_a_new_unit(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    limiter = RateLimiter(redis_client, "p", "1/s", burst=2, prefix=prefix)
+    assert limiter.attempt("run-1")
+    assert limiter.attempt("run-1")  # idempotent: no second unit
+    assert [w.remaining for w in limiter.state().windows] == [1]
+    limiter.pause(60, forget="run-1")  # its call was refused: it must ask again
+    assert limiter.attempt("run-1").paused
+    limiter.resume()
+    limiter.resume()  # nothing to end: nothing happens
+    assert limiter.attempt("run-1")  # a new unit this time
+    assert [w.remaining for w in limiter.state().windows] == [0]
+    with pytest.raises(ConfigurationError, match="pause seconds"):
+        limiter.pause(-1)
+
+
+def test_asyncio_callers_pause_and_resume_the_same_limiter(
+    redis_client: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    sync = RateLimiter(redis_client, "ap", "100/s", prefix=prefix)
+
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            limiter = AsyncRateLimiter(client, "ap", "100/s", prefix=prefix)
+            assert await limiter.pause(30) == 30
+            assert sync.attempt().paused
+            assert (await limiter.attempt()).paused
+            assert (await limiter.state()).paused > 29
+            await limiter.resume()
+            assert await limiter.attempt()
+            await limiter.pause(0.1)
+            assert await limiter.wait(1)  # slept through it
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+    assert sync.state().paused == 0

@@ -24,8 +24,9 @@ from celery_redsem.core.rate_spec import (
     RateState,
     result_of,
     state_from_reply,
+    within,
 )
-from celery_redsem.core.scripts import GCRA, RATE_STATE
+from celery_redsem.core.scripts import GCRA, PAUSE, RATE_STATE
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack
@@ -69,7 +70,7 @@ class RateLimiter(RateSpec):
         permit_id = permit_id or new_permit_id()
         result = await self.attempt(permit_id, cost=cost, book=True, max_wait=timeout)
         while not result.admitted:
-            if not result.booked:
+            if not (result.booked or (result.paused and within(result, timeout))):
                 return False
             await asyncio.sleep(result.retry_after)
             result = await self.attempt(permit_id, cost=cost, book=True, max_wait=timeout)
@@ -91,6 +92,15 @@ class RateLimiter(RateSpec):
         """A snapshot of this limiter (as
         :func:`~celery_redsem.core.rate_limit.read_rate_state`)."""
         return state_from_reply(self.name, await self._run(RATE_STATE, []))
+
+    async def pause(self, seconds: float, *, forget: str | None = None) -> float:
+        """Admit nobody for ``seconds`` (see :meth:`celery_redsem.RateLimiter.pause`)."""
+        keys, args = [self.keys.pause, self.keys.rate_line], self.pause_args(seconds, forget)
+        return int(await run_script(PAUSE, self.client, keys, args, self.name)) / 1000
+
+    async def resume(self) -> None:
+        """End a pause now (nothing happens if there is none)."""
+        await self.pause(0)
 
     async def _run(self, script: Any, args: list[Any]) -> Any:
         return await run_script(script, self.client, self.script_keys(), args, self.name)

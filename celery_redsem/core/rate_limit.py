@@ -45,10 +45,13 @@ from celery_redsem.core.rate_spec import (
     RateSpec,
     RateState,
     parse_rate,
+    pause_args,
+    rate_keys,
     result_of,
     state_from_reply,
+    within,
 )
-from celery_redsem.core.scripts import GCRA, RATE_STATE, run_script
+from celery_redsem.core.scripts import GCRA, PAUSE, RATE_STATE, run_script
 from celery_redsem.core.validation import validate_name, validate_prefix
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
@@ -60,6 +63,7 @@ __all__ = [
     "RateResult",
     "RateState",
     "parse_rate",
+    "pause_rate_limiter",
     "read_rate_state",
 ]
 
@@ -112,11 +116,12 @@ class RateLimiter(RateSpec):
         self, timeout: float | None = None, *, permit_id: str | None = None, cost: int = 1
     ) -> bool:
         """Block until admitted: book the next free slot and sleep until it (one or two round
-        trips). False, with nothing booked, if that slot is more than ``timeout`` seconds away."""
+        trips; a pause is slept through too). False, with nothing booked, if that slot (or the
+        end of a pause) is more than ``timeout`` seconds away."""
         permit_id = permit_id or new_permit_id()
         result = self.attempt(permit_id, cost=cost, book=True, max_wait=timeout)
         while not result.admitted:
-            if not result.booked:
+            if not (result.booked or (result.paused and within(result, timeout))):
                 return False
             time.sleep(result.retry_after)
             result = self.attempt(permit_id, cost=cost, book=True, max_wait=timeout)
@@ -138,9 +143,34 @@ class RateLimiter(RateSpec):
         """A snapshot of this limiter (see :func:`read_rate_state`)."""
         return read_rate_state(self.client, self.name, prefix=self.keys.prefix)
 
+    def pause(self, seconds: float, *, forget: str | None = None) -> float:
+        """Admit nobody for ``seconds`` (on every worker: a ``Retry-After`` from the API the
+        limiter guards), one round trip; a longer pause already set stays. Returns the
+        seconds the limiter stays paused. Attempts meanwhile are refused with
+        :attr:`~celery_redsem.RateResult.paused` and told to wait until it ends. ``forget``:
+        a permit id whose admission is forgotten (its next attempt takes a new unit)."""
+        args = self.pause_args(seconds, forget)
+        left = run_script(
+            PAUSE, self.client, [self.keys.pause, self.keys.rate_line], args, self.name
+        )
+        return int(left) / 1000
+
+    def resume(self) -> None:
+        """End a pause now (nothing happens if there is none)."""
+        self.pause(0)
+
 
 def read_rate_state(client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX) -> RateState:
     """A snapshot of the rate limiter ``name`` without knowing its settings (the CLI uses it)."""
     keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
-    reply: list[Any] = run_script(RATE_STATE, client, [keys.rate, keys.rate_line], [], name)
+    reply: list[Any] = run_script(RATE_STATE, client, rate_keys(keys), [], name)
     return state_from_reply(name, reply)
+
+
+def pause_rate_limiter(
+    client: RedisClient, name: str, seconds: float, *, prefix: str = DEFAULT_PREFIX
+) -> float:
+    """Pause the rate limiter ``name`` for ``seconds`` (0: resume it) without knowing its
+    settings (the CLI uses it); the seconds it stays paused."""
+    keys = SemaphoreKeys(validate_prefix(prefix), validate_name(name))
+    return int(run_script(PAUSE, client, [keys.pause], pause_args(name, seconds), name)) / 1000

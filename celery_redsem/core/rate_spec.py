@@ -47,8 +47,11 @@ __all__ = [
     "make_windows",
     "parse_rate",
     "parse_window",
+    "pause_args",
+    "rate_keys",
     "result_of",
     "state_from_reply",
+    "within",
 ]
 
 #: The fastest rate taken: one unit per server microsecond.
@@ -58,6 +61,7 @@ MAX_WINDOWS = 16
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _COUNT = count_rule()
 _TIMEOUT = seconds_rule(zero_ok=True, none_ok=True, inf_ok=True)
+_PAUSE = seconds_rule(zero_ok=True)
 _RATE_EXPECTED = (
     "a rate such as '10/s', '100/m', '1000/h' or '10000/d', or a number of units per second, "
     f"> 0, at most {MAX_RATE:.0f}/s and at least one per {MAX_SECONDS:.0f}s"
@@ -156,6 +160,8 @@ class RateResult:
     admitted: bool
     retry_after: float
     booked: bool = False
+    #: Refused because the limiter is paused (``retry_after``: until the pause ends).
+    paused: bool = False
 
     def __bool__(self) -> bool:
         return self.admitted
@@ -298,7 +304,23 @@ class RateSpec:
 
     def script_keys(self) -> list[str]:
         """The keys ``gcra.lua`` and ``rate_state.lua`` are given (one hash tag)."""
-        return [self.keys.rate, self.keys.rate_line]
+        return rate_keys(self.keys)
+
+    def pause_args(self, seconds: float, forget: str | None = None) -> list[Any]:
+        """The arguments of ``pause.lua`` for a pause of ``seconds`` (0: resume), checked."""
+        return pause_args(self.name, seconds, forget)
+
+
+def pause_args(name: str, seconds: float, forget: str | None = None) -> list[Any]:
+    """The arguments of ``pause.lua`` for pausing ``name`` ``seconds`` (0: resume), the line
+    forgetting the admission of the permit id ``forget`` (if given), checked."""
+    checked = _PAUSE.check(seconds, "pause seconds", name=name)
+    return [max(1, math.ceil(checked * 1000)) if checked else 0, forget or ""]
+
+
+def rate_keys(keys: SemaphoreKeys) -> list[str]:
+    """The keys of the rate limiter of ``keys``' name, as its scripts are given them."""
+    return [keys.rate, keys.rate_line, keys.pause]
 
 
 def charge_id_for(charge_id: str | None) -> str:
@@ -307,10 +329,15 @@ def charge_id_for(charge_id: str | None) -> str:
     return charge_id if charge_id is not None else f"charge:{new_permit_id()}"
 
 
+def within(result: RateResult, timeout: float | None) -> bool:
+    """Whether ``result``'s wait is at most ``timeout`` seconds (None: any)."""
+    return timeout is None or result.retry_after <= timeout
+
+
 def result_of(reply: Any) -> RateResult:
     """The :class:`RateResult` of a ``gcra.lua`` reply."""
-    admitted, wait_us, booked = reply
-    return RateResult(bool(admitted), int(wait_us) / 1e6, bool(booked))
+    paused = len(reply) > 3 and bool(reply[3])
+    return RateResult(bool(reply[0]), int(reply[1]) / 1e6, bool(reply[2]), paused)
 
 
 @dataclass(frozen=True)
@@ -346,13 +373,15 @@ class RateState:
     booked: int
     remembered: int
     windows: tuple[WindowState, ...] = ()
+    #: Seconds the limiter stays paused (0.0: not paused).
+    paused: float = 0.0
 
 
 def state_from_reply(name: str, reply: list[Any]) -> RateState:
     """The :class:`RateState` of a ``rate_state.lua`` reply."""
     now_us = int(float(as_text(reply[0])))
     windows, next_free = [], 0.0
-    for n in range(3, len(reply) - 2, 3):
+    for n in range(4, len(reply) - 2, 3):
         tat, interval, size = (as_text(v) for v in reply[n : n + 3])
         if not (interval and size):
             continue
@@ -378,4 +407,5 @@ def state_from_reply(name: str, reply: list[Any]) -> RateState:
         booked=int(reply[1]),
         remembered=int(reply[2]),
         windows=tuple(windows),
+        paused=int(reply[3]) / 1000,
     )

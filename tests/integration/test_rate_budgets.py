@@ -6,6 +6,9 @@ Bounds on units are strict; time bounds are loose (the pace is the benchmark's,
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +21,10 @@ from celery import Celery
 from celery_redsem import ConfigurationError, KeyFunctionError, RateLimiter, with_rate_limit
 from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.permit_ids import run_permit_id
+from celery_redsem.core.rate_limit import pause_rate_limiter
 from tests.integration.apps.budget_tasks import (
+    CALL_PAUSE,
+    CALL_RATE,
     CHARGE_RATE,
     SPEND_BURST,
     SPEND_RATE,
@@ -26,6 +32,8 @@ from tests.integration.apps.budget_tasks import (
 )
 from tests.integration.apps.rate_tasks import make_rate_app, read_starts
 from tests.integration.conftest import close_app, running_workers
+from tests.servers import wait_until
+from tests.test_cli import run
 
 
 @pytest.fixture
@@ -215,3 +223,103 @@ def test_two_workers_delay_later_starts_by_units_charged(
     assert t1 - t0 >= 1.1 - 1e-3  # its own unit and the ten charged
     assert t2 - t1 >= 0.1 - 1e-3
     assert t2 - t1 < 1.0  # nothing charged: the rate alone
+
+
+def _assert_none_admitted_while_paused(
+    times: list[float], paused_at: float, seconds: float
+) -> None:
+    """No admission from just after ``paused_at`` (a start admitted as the pause was being
+    set may fall in the first moments) to the end of the pause."""
+    inside = [t for t in times if paused_at + 0.05 < t < paused_at + seconds - 0.01]
+    assert inside == [], f"admitted {[round(t - paused_at, 3) for t in inside]}s into the pause"
+
+
+@pytest.mark.slow
+def test_a_pause_from_the_body_holds_the_key_on_every_worker(
+    prefork_app: Celery, workers: None, client: redis.Redis
+) -> None:
+    """Run 0 pauses its key on its first call (as after HTTP 429, ``Retry-After: 1.5``) and
+    queues itself again: no run starts on either worker until the pause ends; then all run,
+    run 0 included, none failing (max_retries=0), at the rate; another key is not held."""
+    key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
+    call = prefork_app.tasks["r.call"]
+    sent = [call.delay(key, n) for n in range(12)]
+    other = [prefork_app.tasks["r.tick"].delay(key, n) for n in range(3)]
+    assert [r.get(timeout=60) for r in sent] == list(range(12))
+    assert [r.get(timeout=60) for r in other] == [0, 1, 2]
+    paused_at = int(client.get(f"{prefix}:r:429:{key}") or 0) / 1e6
+    admitted = _admitted(client, prefix, f"call:{key}")
+    _assert_none_admitted_while_paused(sorted(admitted.values()), paused_at, CALL_PAUSE)
+    assert admitted[run_permit_id(sent[0].id)] >= paused_at + CALL_PAUSE  # its second start
+    starts = read_starts(client, prefix, key)
+    calls = [s for s in starts if s.at >= paused_at - 5]
+    assert sorted(s.n for s in starts if s.n == 0)  # (run 0 of r.tick logs under the key too)
+    assert {s.retries for s in calls} == {0}
+    assert sum(1 for t in admitted.values() if t >= paused_at + CALL_PAUSE) >= 2
+    _assert_units_bound([(t, 1) for t in admitted.values()], CALL_RATE, 1)
+    ticks = sorted(_admitted(client, prefix, f"rate:{key}").values())
+    assert ticks[0] < paused_at + CALL_PAUSE - 0.5, "another key was held by the pause"
+
+
+@pytest.mark.slow
+def test_the_cli_pauses_and_resumes_a_key_across_workers(
+    prefork_app: Celery, workers: None, client: redis.Redis
+) -> None:
+    """``celery redsem pause NAME 60`` holds every run of the key on both workers (parked);
+    ``resume`` lets them all run, at the rate, none failing (max_retries=0)."""
+    key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
+    name = f"rate:{key}"
+    assert run(prefork_app, "pause", name, "60").exit_code == 0
+    sent = [prefork_app.tasks["r.tick"].delay(key, n) for n in range(6)]
+    deadline = time.monotonic() + 1.5  # none may start while it is paused
+    while time.monotonic() < deadline:
+        assert read_starts(client, prefix, key) == [], "a run started while its key was paused"
+        time.sleep(0.05)
+    state = RateLimiter(client, name, "20/s", prefix=prefix).state()
+    assert 55 < state.paused <= 60
+    resumed_at = time.time()
+    assert run(prefork_app, "resume", name).exit_code == 0
+    assert [r.get(timeout=60) for r in sent] == list(range(6))
+    starts = read_starts(client, prefix, key)
+    assert {s.retries for s in starts} == {0}
+    times = sorted(_admitted(client, prefix, name).values())
+    assert len(times) == 6
+    assert times[0] >= resumed_at - 1  # (server and test clocks are one machine's)
+    _assert_units_bound([(t, 1) for t in times], 20.0, 1)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_its_key_is_paused_loses_no_run(
+    redis_url: str, prefork_app: Celery, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Two workers hold parked runs of a paused key; one is SIGKILLed. Its runs (never
+    acknowledged) come back to the other, and every run starts once, after the pause."""
+    key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
+    name, queue = f"rate:{key}", f"kill-{key}"
+    pause_rate_limiter(client, name, 4, prefix=prefix)
+    paused_at = time.time()
+    # The broker gives a dead worker's unacknowledged messages back after 10 s, looking every
+    # second (kombu looks every 10 s, and acts on every tenth look, by default).
+    options = {
+        "global_keyprefix": f"{prefix}:kombu:",
+        "visibility_timeout": 10,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
+    module = "tests.integration.apps.rate_worker_app"
+    with running_workers(
+        redis_url, prefix, tmp_path, ["kv", "ks"], 2, "-Q", queue, app_module=module,
+        broker_transport_options=options,
+    ) as (victim, survivor):  # fmt: skip
+        sent = [prefork_app.tasks["r.tick"].apply_async((key, n), queue=queue) for n in range(8)]
+        wait_until(lambda: "received" in victim.log(), 30, what="the victim holding runs")
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        assert [r.get(timeout=60) for r in sent] == list(range(8))
+        assert survivor.alive()
+    starts = read_starts(client, prefix, key)
+    assert sorted(s.n for s in starts) == list(range(8)), "a run was lost or ran twice"
+    assert {s.worker.split("@")[0] for s in starts} == {"ks"}
+    times = sorted(_admitted(client, prefix, name).values())
+    assert times[0] >= paused_at + 4 - 0.05
+    _assert_units_bound([(t, 1) for t in times], 20.0, 1)

@@ -16,6 +16,9 @@
 --                     time it was admitted (or a charge id, charged). An entry is forgotten
 --                     `keep` ms after its slot or admission; the key expires `keep` after the
 --                     TATs.
+-- KEYS[3] pause STRING while it exists (pause.lua), nobody is admitted and nothing booked:
+--                     an attempt is told to wait until it expires (or its slot, if later);
+--                     a charge goes through
 -- ARGV[1] keep: milliseconds an admission or booking is remembered after its slot (0 .. MAX_MS)
 -- ARGV[2] mode: 0 to only try, 1 to book the next free slot when refused, 2 to reserve it:
 --         book the next free slot even if it is free now, admitting nobody (the caller takes
@@ -35,10 +38,11 @@
 -- interval ahead of `now`: at most burst + w x rate units in any w seconds. The windows are
 -- checked together and advanced only if every one admits: a refusal consumes none.
 --
--- Returns {admitted, wait, booked}: admitted 1 (wait 0) or 0; wait the microseconds until the
---         caller may run (its booked slot, or later if late callers took the actual slots, if
---         booked is 1, and 0 for a reserved slot that is due; else the next free slot, which
---         others may take first). A charge returns {1, 0, 0}.
+-- Returns {admitted, wait, booked[, paused]}: admitted 1 (wait 0) or 0; wait the microseconds
+--         until the caller may run (its booked slot, or later if late callers took the actual
+--         slots, if booked is 1, and 0 for a reserved slot that is due; else the next free slot,
+--         which others may take first). paused 1: refused because the name is paused. A
+--         charge returns {1, 0, 0}.
 --
 -- Idempotent per permit id: an id admitted (or a charge id charged) within `keep` is admitted
 -- again without using a slot; one that booked gets the time left until its slot. Booked
@@ -109,6 +113,14 @@ local function store(from, actual, score)
   if id ~= '' then
     redis.call('ZADD', line_key, fmt(score), id)
     redis.call('PEXPIRE', line_key, fmt(ttl + keep))
+  end
+end
+
+if mode ~= 3 then
+  local paused = redis.call('PTTL', KEYS[3])
+  if paused > 0 then
+    local free = math.max(free_at(tat), free_at(atat))
+    return {0, math.max(paused * 1000, free - now), 0, 1}
   end
 end
 

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from dataclasses import replace
+from typing import Any, NoReturn, cast
 
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
@@ -59,11 +60,11 @@ from celery_redsem.integration.guards.naming import (
     LimitRule,
     call_arguments,
 )
-from celery_redsem.integration.guards.reentry import enter_rate, leave_rate
+from celery_redsem.integration.guards.reentry import current_rate_limiter, enter_rate, leave_rate
 from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
 from celery_redsem.integration.wire import read_wait
 
-__all__ = ["IN_SLOT", "LEAD", "RateGuard"]
+__all__ = ["IN_SLOT", "LEAD", "RateGuard", "pause_and_retry", "paused_recheck"]
 
 #: Seconds a refused run waits for its slot in the worker slot rather than through the broker.
 IN_SLOT = 0.05
@@ -160,6 +161,8 @@ class RateGuard(Guard, kind="rate"):
         result = self.limiter(app, name, config).attempt(
             permit_id_of(request), cost=cost, reserve=True, max_wait=ahead
         )
+        if result.paused:  # parked to the pause's end, asking again at least this often
+            return min(result.retry_after, ahead, paused_recheck(config))
         if result.admitted:
             return 0.0
         if not result.booked:
@@ -193,7 +196,11 @@ class RateGuard(Guard, kind="rate"):
             ask.retry_after_error(exc, started=started)
         if result.admitted:
             return
-        if not result.booked:
+        if result.paused:
+            # To the pause's end (asking again at least this often: a resume takes effect),
+            # whatever max_wait says: a paused key holds its runs, it fails none.
+            result = replace(result, retry_after=min(result.retry_after, paused_recheck(config)))
+        elif not result.booked:
             raise AcquireTimeout(
                 f"task {task.name}[{request.id}] would wait {result.retry_after:.1f}s for a slot "
                 f"of rate limiter {limiter.name!r} ({self.rate_text}), more than "
@@ -215,7 +222,44 @@ class RateGuard(Guard, kind="rate"):
 
 
 def _booked(limiter: RateLimiter, guard: RateGuard, result: RateResult) -> str:
+    if result.paused:
+        return f"rate limiter {limiter.name!r} ({guard.rate_text}) is paused"
     return (
         f"rate limiter {limiter.name!r} ({guard.rate_text}) booked a slot "
         f"{result.retry_after:.3f}s ahead"
     )
+
+
+def paused_recheck(config: RedsemConfig) -> float:
+    """Seconds a run of a paused key waits at most before it asks again (parked, or through
+    the broker): ``redsem_retry_backoff_max`` (at least 1 s), so a resume takes effect."""
+    return max(1.0, config.retry_backoff_max)
+
+
+def pause_and_retry(seconds: float) -> NoReturn:
+    """From the body of a ``@with_rate_limit`` task in a worker whose call was refused for a
+    while (HTTP 429 with ``Retry-After: 30``): pause the run's key for ``seconds`` on every
+    worker (a longer pause already set stays), and queue this run again for the pause's end,
+    as a contention retry (``max_retries`` untouched). Its next start takes a new unit.
+    Raises Celery's ``Retry``; a ConfigurationError outside such a body, or in an eager or
+    direct call (the key is paused all the same when there is one)."""
+    task = cast("Task[Any, Any] | None", get_current_task())
+    limiter = current_rate_limiter()
+    if task is None or limiter is None:
+        raise ConfigurationError("pause_and_retry() runs in the body of a @with_rate_limit task")
+    request = task.request
+    permit_id = permit_id_of(request)
+    left = limiter.pause(seconds, forget=permit_id)
+    if request.called_directly or request.is_eager:
+        raise ConfigurationError(
+            f"pause_and_retry(): rate limiter {limiter.name!r} is paused for {left:.3f}s, but "
+            "an eager or direct call cannot be queued again",
+            name=limiter.name,
+        )
+    config = get_config(task.app)
+    ask = Contention(task, request, limiter.name, "a paused key", None, config)
+    earlier = read_wait(request)
+    wait = earlier._replace(attempts=earlier.attempts + 1, due_ms=0, offline_ms=0)
+    countdown = min(left, paused_recheck(config))
+    reason = f"the body paused rate limiter {limiter.name!r} for {left:.3f}s"
+    raise ask.publish_retry(countdown, wait, release=None, reason=reason)

@@ -96,7 +96,7 @@ def add_rate_tasks(app: Celery, redis_url: str, prefix: str, *, stacked: bool = 
 
     if stacked:
         add_stacked_tasks(app, counted)
-        add_budget_tasks(app, log_start)
+        add_budget_tasks(app, log_start, counter, prefix)
 
 
 def add_stacked_tasks(app: Celery, counted: Any) -> None:
