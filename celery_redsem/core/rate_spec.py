@@ -139,7 +139,8 @@ def make_windows(rate: object, burst: object, *, where: str) -> tuple[Window, ..
             raise ConfigurationError(f"{where}: {exc}") from None
         default = 1 if n == 0 else max(1, math.floor(count))
         checked = _COUNT.check(default if size is None else size, f"{where}: burst of {text!r}")
-        window = Window(str(text), count, period, checked)
+        shown = text.strip() if isinstance(text, str) else f"{count:g}/s"
+        window = Window(shown, count, period, checked)
         if window.interval_us * window.burst > MAX_SECONDS * 1e6:
             raise ConfigurationError(
                 f"{where}: burst {window.burst} of rate {text!r} spans more than "
@@ -241,7 +242,7 @@ class RateSpec:
     @property
     def rate_text(self) -> str:
         """The windows as given (``"10/s + 10000/d"``)."""
-        return " + ".join(w.text if "/" in w.text else f"{w.rate:g}/s" for w in self.windows)
+        return " + ".join(w.text for w in self.windows)
 
     def __repr__(self) -> str:
         bursts = ",".join(str(w.burst) for w in self.windows)

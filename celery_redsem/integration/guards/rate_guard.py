@@ -95,7 +95,7 @@ class RateGuard(Guard, kind="rate"):
         self._rate, self._burst = rate, burst
         self.rate = self.windows[0].rate
         self.burst = self.windows[0].burst
-        self.rate_text = " + ".join(str(w.text) for w in self.windows)
+        self.rate_text = " + ".join(w.text for w in self.windows)
         largest = min(w.burst for w in self.windows)
         self.cost = LimitRule(fn, cost, where, what="cost", rule=count_rule(maximum=largest))
         super().__init__(fn, key, max_wait)
