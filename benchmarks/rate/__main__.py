@@ -277,9 +277,7 @@ def main() -> int:
             _table(broker, results)
             met = _verdicts(results, args) and met
             if args.budgets:
-                print(
-                    f"budgets: {args.budgets}, through the same two workers -c {args.concurrency}"
-                )
+                print(f"budgets: {args.budgets}, two fresh workers -c {args.concurrency}")
                 met = run_budgets(broker, server.url, args) and met
     print(f"\nsummary: {'every target MET' if met else 'a target MISSED'}")
     return 0  # a measurement, not a test: exit 0 whether or not a target is met
