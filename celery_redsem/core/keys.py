@@ -74,7 +74,7 @@ class SemaphoreKeys:
     )
     pause = _Key(
         "pause",
-        """String: until when (server ms) the rate limiter of this name admits nobody; expires
+        """Hash: ``until`` when (server ms) the rate limiter of this name admits nobody; expires
         then (``pause.lua``).""",
     )
 

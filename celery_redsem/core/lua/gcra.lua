@@ -16,7 +16,7 @@
 --                     time it was admitted (or a charge id, charged). An entry is forgotten
 --                     `keep` ms after its slot or admission; the key expires `keep` after the
 --                     TATs.
--- KEYS[3] pause STRING while it exists (pause.lua), nobody is admitted and nothing booked:
+-- KEYS[3] pause HASH  while it exists (pause.lua), nobody is admitted and nothing booked:
 --                     an attempt is told to wait until it expires (or its slot, if later);
 --                     a charge goes through
 -- ARGV[1] keep: milliseconds an admission or booking is remembered after its slot (0 .. MAX_MS)

@@ -1,7 +1,8 @@
 -- pause: hold every start of one name (a rate limiter's) for a while, or resume it.
 --
--- KEYS[1] pause  STRING  until when the name is paused (server ms), expiring then: gcra.lua
---                        admits and books nobody while it exists
+-- KEYS[1] pause  HASH    'until': when the name's pause ends (server ms); the key expires
+--                        then: gcra.lua admits and books nobody while it exists (a hash and
+--                        PEXPIRE, not SET: the documented ACL rule allows them already)
 -- KEYS[2] line   ZSET    the rate limiter's (gcra.lua), or absent
 -- ARGV[1] milliseconds to pause for (1 .. MAX_MS), or 0 to resume (delete the key)
 -- ARGV[2] a permit id whose admission the line forgets ('' for none): a run that pauses the
@@ -26,5 +27,6 @@ if left >= ms then
   return left
 end
 local now = server_now()
-redis.call('SET', KEYS[1], fmt(now + ms), 'PX', fmt(ms))
+redis.call('HSET', KEYS[1], 'until', fmt(now + ms))
+redis.call('PEXPIRE', KEYS[1], fmt(ms))
 return ms

@@ -3,7 +3,7 @@
 -- KEYS[1] rate  HASH  per window 'tat', 'atat', 'interval', 'burst' (window w > 1 with the
 --                     suffix ':<w>') and 'windows' (see gcra.lua)
 -- KEYS[2] line  ZSET  permit id -> booked slot, or minus the admission time (server us)
--- KEYS[3] pause STRING while it exists the limiter admits nobody (pause.lua)
+-- KEYS[3] pause HASH  while it exists the limiter admits nobody (pause.lua)
 -- Returns {now us, booked, remembered, paused ms (0: not paused), then per window: later TAT
 --         us or '', interval us or '', burst or ''}: booked counts bookings not claimed yet,
 --         remembered every entry (admitted ones too). No windows when the limiter is idle
@@ -15,7 +15,7 @@ local booked = redis.call('ZCOUNT', KEYS[2], '0', '+inf')
 local remembered = redis.call('ZCARD', KEYS[2])
 local reply = {fmt(now), booked, remembered, math.max(redis.call('PTTL', KEYS[3]), 0)}
 local n = tonumber(redis.call('HGET', KEYS[1], 'windows') or '') or 0
-if n == 0 and redis.call('HEXISTS', KEYS[1], 'tat') == 1 then
+if n == 0 and redis.call('HGET', KEYS[1], 'tat') then
   n = 1 -- written before windows were counted
 end
 for w = 1, math.min(n, 16) do
