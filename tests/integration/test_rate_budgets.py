@@ -295,9 +295,7 @@ def test_a_worker_killed_while_its_key_is_paused_loses_no_run(
     """Two workers hold parked runs of a paused key; one is SIGKILLed. Its runs (never
     acknowledged) come back to the other, and every run starts once, after the pause."""
     key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
-    name, queue = f"rate:{key}", f"kill-{key}"
-    pause_rate_limiter(client, name, 4, prefix=prefix)
-    paused_at = time.time()
+    name, queue, pause = f"rate:{key}", f"kill-{key}", 15.0
     # The broker gives a dead worker's unacknowledged messages back after 10 s, looking every
     # second (kombu looks every 10 s, and acts on every tenth look, by default).
     options = {
@@ -311,15 +309,20 @@ def test_a_worker_killed_while_its_key_is_paused_loses_no_run(
         redis_url, prefix, tmp_path, ["kv", "ks"], 2, "-Q", queue, app_module=module,
         broker_transport_options=options,
     ) as (victim, survivor):  # fmt: skip
+        paused_at = time.time()
+        pause_rate_limiter(client, name, pause, prefix=prefix)
         sent = [prefork_app.tasks["r.tick"].apply_async((key, n), queue=queue) for n in range(8)]
         wait_until(lambda: "received" in victim.log(), 30, what="the victim holding runs")
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(10)
-        assert [r.get(timeout=60) for r in sent] == list(range(8))
+        limiter = RateLimiter(client, name, "20/s", prefix=prefix)
+        assert limiter.state().paused > 0, "the pause ended before the kill: nothing shown"
+        assert read_starts(client, prefix, key) == []
+        assert [r.get(timeout=90) for r in sent] == list(range(8))
         assert survivor.alive()
     starts = read_starts(client, prefix, key)
     assert sorted(s.n for s in starts) == list(range(8)), "a run was lost or ran twice"
     assert {s.worker.split("@")[0] for s in starts} == {"ks"}
     times = sorted(_admitted(client, prefix, name).values())
-    assert times[0] >= paused_at + 4 - 0.05
+    assert times[0] >= paused_at + pause - 0.05
     _assert_units_bound([(t, 1) for t in times], 20.0, 1)
