@@ -18,7 +18,13 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redsem import ConfigurationError, KeyFunctionError, RateLimiter, with_rate_limit
+from celery_redsem import (
+    ConfigurationError,
+    KeyFunctionError,
+    RateLimiter,
+    pause_and_retry,
+    with_rate_limit,
+)
 from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.permit_ids import run_permit_id
 from celery_redsem.core.rate_limit import pause_rate_limiter
@@ -107,6 +113,16 @@ def test_an_eager_body_charges_its_own_key(app: Celery, client: redis.Redis) -> 
     assert app.tasks["r.charge"].apply(args=(key, 0, 30)).get() == 0
     limiter = RateLimiter(client, f"charge:{key}", CHARGE_RATE, prefix=prefix)
     assert 2.9 < limiter.attempt().retry_after <= 3.1  # one unit taken, thirty charged
+
+
+def test_pause_and_retry_outside_a_worker_says_why(app: Celery, client: redis.Redis) -> None:
+    with pytest.raises(ConfigurationError, match="in the body of a @with_rate_limit task"):
+        pause_and_retry(1)
+    key, prefix = uuid.uuid4().hex[:10], app.conf.redsem_key_prefix
+    with pytest.raises(ConfigurationError, match="eager or direct call cannot be queued again"):
+        app.tasks["r.call"].apply(args=(key, 0)).get()
+    paused = RateLimiter(client, f"call:{key}", CALL_RATE, prefix=prefix).state().paused
+    assert 1.0 < paused <= CALL_PAUSE  # the key is paused all the same
 
 
 @pytest.fixture(scope="module")
