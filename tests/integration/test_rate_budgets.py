@@ -31,7 +31,6 @@ from celery_redsem.core.rate_limit import pause_rate_limiter
 from tests.integration.apps.budget_tasks import (
     CALL_PAUSE,
     CALL_RATE,
-    CHARGE_RATE,
     SPEND_BURST,
     SPEND_RATE,
     WINDOWS,
@@ -70,6 +69,15 @@ def _assert_units_bound(taken: list[tuple[float, int]], rate: float, burst: int)
             assert units <= burst + (at - start) * rate + 1e-3, f"{units} in {at - start:.3f}s"
 
 
+def _tat_past_admission(client: redis.Redis, prefix: str, name: str) -> int:
+    """Microseconds from the one admission of limiter ``name`` to its first window's TAT (the
+    line remembers charges too, under ids of their own)."""
+    entries = _admitted(client, prefix, name).items()
+    (admitted_at,) = [at for member, at in entries if not member.startswith("charge:")]
+    tat = int(client.hget(SemaphoreKeys(prefix, name).rate, "tat") or 0)
+    return tat - round(admitted_at * 1e6)
+
+
 def test_costs_and_windows_are_checked_at_decoration() -> None:
     def task(prompt: str) -> None: ...
 
@@ -102,8 +110,8 @@ def test_an_eager_call_takes_its_cost_and_a_cost_too_large_fails(
     key, prefix = uuid.uuid4().hex[:10], app.conf.redsem_key_prefix
     spend = app.tasks["r.spend"]
     assert spend.apply(args=(key, 0, SPEND_BURST)).get() == 0
-    limiter = RateLimiter(client, f"spend:{key}", SPEND_RATE, burst=SPEND_BURST, prefix=prefix)
-    assert not limiter.attempt(cost=SPEND_BURST)  # the whole burst went to one start
+    # The whole burst went to one start: the TAT is 20 units of 10 ms past its admission.
+    assert _tat_past_admission(client, prefix, f"spend:{key}") == SPEND_BURST * 10_000
     with pytest.raises(KeyFunctionError, match=r"cost function .* returned 21: its cost must"):
         spend.apply(args=(key, 1, SPEND_BURST + 1)).get()
 
@@ -111,8 +119,8 @@ def test_an_eager_call_takes_its_cost_and_a_cost_too_large_fails(
 def test_an_eager_body_charges_its_own_key(app: Celery, client: redis.Redis) -> None:
     key, prefix = uuid.uuid4().hex[:10], app.conf.redsem_key_prefix
     assert app.tasks["r.charge"].apply(args=(key, 0, 30)).get() == 0
-    limiter = RateLimiter(client, f"charge:{key}", CHARGE_RATE, prefix=prefix)
-    assert 2.9 < limiter.attempt().retry_after <= 3.1  # one unit taken, thirty charged
+    # One unit taken, thirty charged: the TAT is 31 units of 0.1 s past the admission.
+    assert _tat_past_admission(client, prefix, f"charge:{key}") == 31 * 100_000
 
 
 def test_pause_and_retry_outside_a_worker_says_why(app: Celery, client: redis.Redis) -> None:
