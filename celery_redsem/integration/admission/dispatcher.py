@@ -364,6 +364,8 @@ class Admission:
         """The first answer says the task waits: park it (telling Redis when it will ask
         again), make it the standby, or leave it to its child."""
         assert self.lot is not None
+        if result.paused:  # its child re-publishes it for the pause's end (max_wait untouched)
+            return None if self._hold_for_slot(candidate, result) else self._settle(candidate, None)
         req, earlier = candidate.req, candidate.earlier
         now_ms = server_ms(result, candidate.lease)
         if earlier is not None and earlier.first_ms >= 0:
