@@ -364,8 +364,6 @@ class Admission:
         """The first answer says the task waits: park it (telling Redis when it will ask
         again), make it the standby, or leave it to its child."""
         assert self.lot is not None
-        if result.paused:  # its child re-publishes it for the pause's end (max_wait untouched)
-            return None if self._hold_for_slot(candidate, result) else self._settle(candidate, None)
         req, earlier = candidate.req, candidate.earlier
         now_ms = server_ms(result, candidate.lease)
         if earlier is not None and earlier.first_ms >= 0:
@@ -392,9 +390,10 @@ class Admission:
             park = min(park, max(MIN_PARK, max_wait - waited))
         delivered = received_at(req, earlier, candidate.asked)
         held_for = candidate.asked - delivered  # the broker's visibility clock runs from delivery
-        if held_for >= candidate.longest or len(self.lot.tasks) >= MAX_PARKED_TASKS:
-            # The child decides, most often a retry: a new message (with a countdown, held as
-            # an ETA task is), this one acknowledged.
+        crowded = len(self.lot.tasks) >= MAX_PARKED_TASKS
+        if result.paused or held_for >= candidate.longest or crowded:
+            # The child decides, most often a retry (to a countdown or the pause's end): a new
+            # message held as an ETA task is, this one acknowledged.
             if not self._hold_for_slot(candidate, result):
                 stamp_wait_began(req.request_dict, first_ms)
                 self._settle(candidate, None)
