@@ -111,11 +111,10 @@ def test_the_cli_pauses_and_resumes_a_semaphore_across_workers(
 def test_a_worker_killed_while_its_semaphore_is_paused_loses_no_run(
     redis_url: str, prefork_app: Celery, client: redis.Redis, tmp_path: Path
 ) -> None:
-    """Two workers hold runs of a paused semaphore key (parked, or retries waiting for their
-    countdown); one is SIGKILLed. Its runs (never acknowledged) come back to the other, and
-    every run starts once, after the pause."""
+    """Two workers hold parked runs of a paused semaphore key; one is SIGKILLed. Its runs
+    (never acknowledged) come back to the other, and every run starts once, after the pause."""
     key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
-    name, queue, pause = f"sfree:{key}", f"skill-{key}", 12.0
+    name, queue, pause = f"swait:{key}", f"skill-{key}", 12.0
     # The broker gives a dead worker's unacknowledged messages back after 10 s, looking every
     # second.
     options = {
@@ -132,7 +131,7 @@ def test_a_worker_killed_while_its_semaphore_is_paused_loses_no_run(
         paused_at = time.time()
         assert FairSemaphore(client, name, 100, prefix=prefix).pause(pause) == pause
         sent = [
-            prefork_app.tasks["r.sem_free"].apply_async((key, n), queue=queue) for n in range(12)
+            prefork_app.tasks["r.sem_wait"].apply_async((key, n), queue=queue) for n in range(12)
         ]
 
         def delivered() -> bool:

@@ -2,7 +2,8 @@
 cost per start (``r.spend``), two windows (``r.windows``), units charged by the body after
 the fact (``r.charge``), and a body that pauses its key (``r.call``, as after an HTTP 429);
 and semaphore-guarded ones: ``r.sem_call`` (a body that pauses its semaphore's key) and
-``r.sem_free`` (a semaphore never full, with ``on_busy="fail"``).
+``r.sem_free`` (a semaphore never full, with ``on_busy="fail"``), ``r.sem_wait`` (never full,
+waiting its turn: admission parks its runs).
 Each start is logged as the ``r.*`` tasks log theirs (:mod:`tests.integration.apps.rate_tasks`).
 """
 
@@ -35,8 +36,8 @@ LogStart = Callable[[str, int, Any], None]
 def add_budget_tasks(
     app: Celery, log_start: LogStart, client: Callable[[], redis.Redis], prefix: str
 ) -> None:
-    """Register ``r.spend``, ``r.windows``, ``r.charge``, ``r.call``, ``r.sem_call`` and
-    ``r.sem_free`` on ``app``."""
+    """Register ``r.spend``, ``r.windows``, ``r.charge``, ``r.call`` and the ``r.sem_*`` tasks
+    on ``app``."""
 
     @app.task(shared=False, bind=True, name="r.spend", max_retries=0)
     @with_rate_limit(
@@ -84,5 +85,11 @@ def add_budget_tasks(
     @app.task(shared=False, bind=True, name="r.sem_free", max_retries=0)
     @with_semaphore(100, key=lambda key: f"sfree:{key}", on_busy="fail", max_wait=1)
     def sem_free(self: Any, key: str, n: int = 0) -> int:
+        log_start(key, n, self.request)
+        return n
+
+    @app.task(shared=False, bind=True, name="r.sem_wait", max_retries=0)
+    @with_semaphore(100, key=lambda key: f"swait:{key}")
+    def sem_wait(self: Any, key: str, n: int = 0) -> int:
         log_start(key, n, self.request)
         return n
