@@ -24,6 +24,7 @@ from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 
 __all__ = [
     "ACQUIRE",
+    "COALESCE",
     "DEDUPE",
     "REFRESH",
     "RELEASE",
@@ -99,6 +100,7 @@ STATE = LuaScript("state.lua")
 GCRA = LuaScript("gcra.lua")
 RATE_STATE = LuaScript("rate_state.lua")
 DEDUPE = LuaScript("dedupe.lua")
+COALESCE = LuaScript("coalesce.lua")
 
 
 def as_text(value: bytes | str) -> str:

@@ -1,0 +1,157 @@
+"""Newest wins (issue 42): ``dedupe="coalesce"`` and ``debounce`` with a real ``celery worker``
+(prefork, four slots), every send from a separate process that only imports the tasks module
+(:mod:`tests.integration.apps.coalesce_sender`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redsem.core.marks import CoalesceRecord
+from tests.integration.conftest import ROOT, WorkerProcess, running_workers
+
+pytestmark = pytest.mark.slow
+
+APP_MODULE = "tests.integration.apps.coalesce_tasks"
+
+
+@pytest.fixture(scope="module")
+def workers(
+    redis_url: str, module_prefix: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[WorkerProcess]]:
+    with running_workers(
+        redis_url,
+        module_prefix,
+        tmp_path_factory.mktemp("coalesce-workers"),
+        ["c0"],
+        4,
+        app_module=APP_MODULE,
+    ) as procs:
+        yield procs
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    found = redis.Redis.from_url(redis_url)
+    yield found
+    found.close()
+
+
+def _scenario(redis_url: str, prefix: str, name: str, *args: str) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "REDSEM_TEST_APP_URL": redis_url,
+        "REDSEM_TEST_APP_PREFIX": prefix,
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integration.apps.coalesce_sender", name, *args],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found.pop("finalized") is False  # the sender never finalized its app
+    return found
+
+
+def _bodies(client: redis.Redis, prefix: str, doc: str) -> list[dict[str, Any]]:
+    return [json.loads(b) for b in client.lrange(f"{prefix}:c:bodies:{doc}", 0, -1)]
+
+
+def _versions(client: redis.Redis, prefix: str, doc: str) -> list[str]:
+    return [b["version"] for b in _bodies(client, prefix, doc)]
+
+
+def _record(client: redis.Redis, prefix: str, name: str) -> CoalesceRecord:
+    return CoalesceRecord(client, name, prefix=prefix)
+
+
+def test_five_sends_during_a_run_give_two_bodies_the_second_with_the_newest_arguments(
+    redis_url: str, module_prefix: str, workers: list[WorkerProcess], client: redis.Redis
+) -> None:
+    doc = uuid.uuid4().hex[:10]
+    found = _scenario(redis_url, module_prefix, "five_during_a_run", doc)
+    first, *sends = found["ids"]
+    assert len(set(sends)) == 1  # one pending run, whose id every send got
+    assert first not in sends
+    assert found["results"] == ["v0"] + ["v5"] * 5  # every .get() answered
+    assert _versions(client, module_prefix, doc) == ["v0", "v5"]
+    state = _record(client, module_prefix, f"rebuild:{doc}").state()
+    assert (state.pending, state.answers) == (None, 0)
+
+
+def test_a_failing_carrying_run_fails_every_send_it_carried(
+    redis_url: str, module_prefix: str, workers: list[WorkerProcess], client: redis.Redis
+) -> None:
+    doc = uuid.uuid4().hex[:10]
+    found = _scenario(redis_url, module_prefix, "five_during_a_run", doc, "fail5")
+    first, *rest = found["results"]
+    assert first == "v0"
+    assert rest == [{"error": "RuntimeError", "message": "failed fail5"}] * 5
+
+
+def test_five_debounced_sends_give_one_body_with_the_last_arguments_after_the_quiet_time(
+    redis_url: str, module_prefix: str, workers: list[WorkerProcess], client: redis.Redis
+) -> None:
+    doc = uuid.uuid4().hex[:10]
+    found = _scenario(redis_url, module_prefix, "debounce", doc)
+    assert found["results"] == ["v4"] * 5
+    (body,) = _bodies(client, module_prefix, doc)
+    assert body["version"] == "v4"
+    assert body["at"] >= found["last_sent"] + 0.5  # server clock, both
+
+
+def test_debounce_max_runs_a_stream_that_never_goes_quiet(
+    redis_url: str, module_prefix: str, workers: list[WorkerProcess], client: redis.Redis
+) -> None:
+    doc = uuid.uuid4().hex[:10]
+    found = _scenario(redis_url, module_prefix, "debounce_max", doc)
+    bodies = _bodies(client, module_prefix, doc)
+    assert len(bodies) >= 2  # without debounce_max: one run, after the stream
+    assert bodies[0]["at"] >= found["first_sent"] + 0.3
+    assert bodies[-1]["version"] == "v19"
+    ran = {b["version"] for b in bodies}
+    assert all(result in ran for result in found["results"])
+    assert found["results"][-1] == "v19"
+
+
+def test_send_task_and_a_canvas_step_coalesce_and_the_canvas_goes_on(
+    redis_url: str, module_prefix: str, workers: list[WorkerProcess], client: redis.Redis
+) -> None:
+    doc = uuid.uuid4().hex[:10]
+    found = _scenario(redis_url, module_prefix, "other_ways", doc)
+    # first, send_task (absorbed by the canvas step), the step, its chain, a send absorbed by
+    # the step, another send_task absorbed by it (the newest arguments: v4)
+    assert found["results"] == ["v0", "v4", "v4", "after", "v4", "v4"]
+    assert found["later_id"] == found["step_id"]
+    assert _versions(client, module_prefix, doc) == ["v0", "v4"]
+
+
+def test_a_killed_run_loses_no_pending_run(
+    redis_url: str, module_prefix: str, workers: list[WorkerProcess], client: redis.Redis
+) -> None:
+    doc = uuid.uuid4().hex[:10]
+    found = _scenario(redis_url, module_prefix, "killed", doc)
+    lost, *sends = found["results"]
+    assert lost["error"] == "WorkerLostError"
+    assert sends == ["v3"] * 3
+    assert _versions(client, module_prefix, doc) == ["v0", "v3"]
+
+
+def test_arguments_over_the_limit_fail_visibly(
+    redis_url: str, module_prefix: str, workers: list[WorkerProcess], client: redis.Redis
+) -> None:
+    doc = uuid.uuid4().hex[:10]
+    found = _scenario(redis_url, module_prefix, "too_large", doc)
+    assert found["raised"].startswith("ConfigurationError: the arguments of c.rebuild for")
+    assert "at most 65536 bytes" in found["raised"]
+    assert found["by_name"]["error"] == "ConfigurationError"
+    assert _bodies(client, module_prefix, doc) == []
