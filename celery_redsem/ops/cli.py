@@ -36,6 +36,7 @@ from celery_redsem.core.state import read_state
 from celery_redsem.core.validation import validate_prefix
 from celery_redsem.ops.admin import (
     OnSkip,
+    coalesce_state,
     force_release,
     glob_escape,
     purge,
@@ -153,6 +154,17 @@ def _waiter_lines(state: SemaphoreState, most: int | None = None) -> list[str]:
     if len(state.waiters) > len(shown):
         lines.append(f"  ... and {len(state.waiters) - len(shown)} more waiting (--waiters)")
     return lines
+
+
+def _runs_line(runs: dict[str, Any]) -> str:
+    """The running and pending runs of a key (``dedupe="coalesce"``), on one line."""
+    running = runs["running"] and _shown(runs["running"])
+    if running and not runs["running_live"]:
+        running += " (its lease ended)"
+    pending = runs["pending"] and _shown(runs["pending"])
+    if pending:
+        pending += f" (due in {runs['due_in']:.1f}s, answers for {runs['answers']} more)"
+    return f"  runs: running {running or '-'}; pending {pending or '-'}"
 
 
 def _ttls(client: RedisClient, keys: list[str]) -> dict[str, int]:
@@ -276,6 +288,7 @@ def status(
         )
     )
     limiters = _run(lambda: rate_states(target.client, prefix=target.prefix, pattern=glob))
+    runs = name and _run(lambda: coalesce_state(target.client, name, prefix=target.prefix))
     if as_json:
         _print_json(
             {
@@ -285,14 +298,17 @@ def status(
                 "total": total,
                 "semaphores": [state_to_dict(s) for s in found],
                 "rate_limiters": [asdict(r) for r in limiters],
+                "runs": runs or None,
                 "skipped": skipped,
             }
         )
         return
     for limiter in limiters:
         click.echo(_rate_line(ctx, limiter))
+    if runs:
+        click.echo(_runs_line(runs))
     if not total:
-        if not limiters:
+        if not limiters and not runs:
             click.echo(_none_found(target, name, glob))
         return
     for state in found:

@@ -83,6 +83,10 @@ def test_five_sends_during_a_run_give_two_bodies_the_second_with_the_newest_argu
     assert len(set(sends)) == 1  # one pending run, whose id every send got
     assert first not in sends
     assert found["results"] == ["v0"] + ["v5"] * 5  # every .get() answered
+    # Four sends absorbed by the pending run, each signalled and counted by their process.
+    into = {"task": "c.rebuild", "task_id": sends[0], "absorbed_id": None, "debounced": False}
+    assert found["signals"] == [{**into, "name": f"rebuild:{doc}"}] * 4
+    assert found["counted"]["c.rebuild"] == {"coalesced": 4.0, "debounced": 0.0}
     assert _versions(client, module_prefix, doc) == ["v0", "v5"]
     state = _record(client, module_prefix, f"rebuild:{doc}").state()
     assert (state.pending, state.answers) == (None, 0)
@@ -104,6 +108,8 @@ def test_five_debounced_sends_give_one_body_with_the_last_arguments_after_the_qu
     doc = uuid.uuid4().hex[:10]
     found = _scenario(redis_url, module_prefix, "debounce", doc)
     assert found["results"] == ["v4"] * 5
+    assert [s["debounced"] for s in found["signals"]] == [True] * 4
+    assert found["counted"]["c.debounced"] == {"coalesced": 0.0, "debounced": 4.0}
     (body,) = _bodies(client, module_prefix, doc)
     assert body["version"] == "v4"
     assert body["at"] >= found["last_sent"] + 0.5  # server clock, both

@@ -10,14 +10,14 @@ stores its result under its id too). A canvas step is never absorbed, since its 
 from its own message: it takes the place of a plain pending run, or waits its turn behind
 another canvas step.
 
-The pending run, holding its permit (:meth:`CoalesceRun.take_over`), takes the newest arguments
-and becomes the running run, unless it is not yet due (``debounce``: it is published with a
-countdown and, found early, re-published for the rest, without touching ``max_retries``). When
-it ends (``task_postrun``, in its child) its result or error is stored under every id it answers
-for; a run whose child was lost, or that was revoked or expired, fails them
-(:func:`abandon`, from the worker's main process). Arguments are serialized with the task's
-serializer and loaded only as the app accepts content; above :data:`MAX_ARGUMENT_BYTES` a send
-raises :class:`~celery_redsem.ConfigurationError`.
+The pending run, holding its permit, takes the newest arguments and becomes the running run
+(:mod:`~celery_redsem.integration.dedupe.coalesce_run`), unless it is not yet due (``debounce``:
+it is published with a countdown and, found early, re-published for the rest, without touching
+``max_retries``). When it ends (``task_postrun``, in its child) its result or error is stored
+under every id it answers for; a run whose child was lost, or that was revoked or expired,
+fails them (:func:`abandon`, from the worker's main process). Arguments are serialized with the
+task's serializer and loaded only as the app accepts content; above :data:`MAX_ARGUMENT_BYTES`
+a send raises :class:`~celery_redsem.ConfigurationError`.
 """
 
 from __future__ import annotations
@@ -27,35 +27,32 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, Task, states
-from celery.app.task import Context
-from celery.exceptions import Ignore, WorkerLostError
-from celery.signals import task_postrun
+from celery.exceptions import WorkerLostError
 from celery.utils import uuid
 from kombu.serialization import dumps, loads, prepare_accept_content
 
 from celery_redsem.core.errors import BackendError, ConfigurationError
 from celery_redsem.core.marks import Arguments, CoalesceRecord, Debounce
-from celery_redsem.core.permits import Permit
-from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import SECONDS
-from celery_redsem.integration.dedupe.run_mark import RunMark, keep_renewing, queued_ttl
-from celery_redsem.integration.guards.contention import Contention
-from celery_redsem.integration.guards.naming import call_arguments
-from celery_redsem.integration.line import release_quietly
 from celery_redsem.integration.seam import message_embed
 from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
-from celery_redsem.integration.wire import mark_duplicate, read_wait
+from celery_redsem.integration.wire import mark_duplicate
 from celery_redsem.metrics import record_coalesced
 from celery_redsem.signals import task_coalesced
 
 __all__ = [
+    "CANVAS_FIELDS",
     "CANVAS_OPTIONS",
     "MAX_ARGUMENT_BYTES",
-    "CoalesceRun",
     "abandon",
+    "announce",
+    "check_debounce",
+    "deserialize",
     "receive",
     "record_of",
     "send",
+    "serialize",
+    "store_results",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,7 +62,7 @@ MAX_ARGUMENT_BYTES = 64 * 1024
 #: Options of a send that make it a step of a canvas.
 CANVAS_OPTIONS = ("chain", "link", "link_error", "group_id", "chord", "parent_id", "root_id")
 #: Fields of a request that make its run a step of a canvas.
-_CANVAS_FIELDS = ("callbacks", "errbacks", "chain", "chord", "group")
+CANVAS_FIELDS = ("callbacks", "errbacks", "chain", "chord", "group")
 
 Original = Callable[..., Any]
 
@@ -112,8 +109,10 @@ def send(
 ) -> Any:
     """A coalesced send of ``task`` on ``name`` (``call``: args, kwargs, task id, options):
     absorbed by the pending run (its ``AsyncResult``), or published as the pending run (with
-    ``debounce``, on a countdown)."""
+    ``debounce``, on a countdown). Its options carry ``redsem_ttl``: seconds the pending run
+    counts as live (then a send starts another), taken out before publishing."""
     args, kwargs, given_id, options = call
+    ttl = options.pop("redsem_ttl")
     task_id = given_id or uuid()
     if any(options.get(o) for o in CANVAS_OPTIONS) or task.app.conf.task_always_eager:
         return original(task, args, kwargs, task_id=task_id, **options)  # decided on receipt
@@ -121,9 +120,7 @@ def send(
     arguments = serialize(task, args, kwargs, name)
     record = record_of(task.app, name, config)
     try:
-        decided = record.send(
-            task_id, arguments, queued_ttl(config, options), debounce, own_id=bool(given_id)
-        )
+        decided = record.send(task_id, arguments, ttl, debounce, own_id=bool(given_id))
     except BackendError as exc:
         logger.warning(
             "celery_redsem: could not coalesce %s[%s] on %r, sent as it is (the worker "
@@ -146,10 +143,10 @@ def send(
         raise
 
 
-def receive(task: Task[Any, Any], name: str, debounce: Debounce, request: Any) -> None:
-    """In the worker's main process, for a message just received: it becomes the pending run,
-    takes a plain pending run's place (a canvas step), or is absorbed (the run then ends as it
-    starts: :data:`~celery_redsem.integration.wire.DUPLICATE_FIELD`)."""
+def receive(task: Task[Any, Any], name: str, debounce: Debounce, request: Any, ttl: float) -> None:
+    """In the worker's main process, for a message just received: it becomes the pending run
+    (live ``ttl`` seconds), takes a plain pending run's place (a canvas step), or is absorbed
+    (the run then ends as it starts: :data:`~celery_redsem.integration.wire.DUPLICATE_FIELD`)."""
     request_dict = request.request_dict
     config = get_config(task.app)
     try:
@@ -157,8 +154,7 @@ def receive(task: Task[Any, Any], name: str, debounce: Debounce, request: Any) -
     except ConfigurationError:
         return  # the run fails as it starts, saying so
     fields = {**request_dict, **message_embed(request)}
-    canvas = any(fields.get(f) for f in _CANVAS_FIELDS)
-    ttl = queued_ttl(config, {"eta": request.eta})
+    canvas = any(fields.get(f) for f in CANVAS_FIELDS)
     record = record_of(task.app, name, config)
     decided = record.receive(request.id, arguments, ttl, debounce, canvas=canvas)
     debounced = bool(debounce.wait)
@@ -179,103 +175,7 @@ def announce(
     )
 
 
-class CoalesceRun(RunMark):
-    """A run of a ``dedupe="coalesce"`` task: it takes over the pending run's newest arguments
-    once it holds its permit, and answers for the sends it absorbed when it ends."""
-
-    def __init__(
-        self, app: Celery, name: str, task_id: str, config: RedsemConfig, debounce: Debounce
-    ) -> None:
-        super().__init__(app, name, task_id, config)
-        self.mark = record_of(app, name, config)  # type: ignore[assignment]
-        self.debounce = debounce
-        self.config = config
-
-    def claim(self, request: Context) -> str | None:
-        """Only what the main process found (absorbed on receipt); all else is decided by
-        :meth:`take_over`. The run's end is answered for in ``task_postrun``."""
-        _runs[self.task_id] = self
-        return super().claim_on_receipt(request)
-
-    def hold(self, permit_id: str) -> None:
-        """Nothing yet: :meth:`take_over` ties the record to the permit."""
-
-    def take_over(
-        self,
-        task: Task[Any, Any],
-        request: Context,
-        sem: FairSemaphore,
-        permit: Permit,
-        call: tuple[tuple[Any, ...], dict[str, Any]],
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Holding ``permit``: the arguments the body runs with (``call`` or the newest);
-        raises Celery's ``Retry`` (not due yet, or another run's turn) or ``Ignore``
-        (absorbed), having released the permit."""
-        if request.is_eager or request.called_directly:
-            return call
-        try:
-            arguments = serialize(task, request.args, request.kwargs, sem.name)
-            canvas = any(getattr(request, f, None) for f in _CANVAS_FIELDS)
-            decided = self.mark.start(  # type: ignore[attr-defined]
-                self.task_id, permit.id, arguments, self.ttl, self.debounce, canvas=canvas
-            )
-        except BackendError as exc:
-            logger.warning(
-                "celery_redsem: could not read the coalesce record of %r for run %s; it runs "
-                "with its own arguments: %s",
-                sem.name,
-                self.task_id,
-                exc,
-            )
-            return call
-        except BaseException:
-            release_quietly(sem, permit)
-            raise
-        if decided.status == "run":
-            self.permit_id = permit.id
-            keep_renewing(self)
-            if decided.arguments is None:
-                return call
-            args, kwargs = deserialize(task.app, decided.arguments)
-            return call_arguments(task, args), kwargs
-        release_quietly(sem, permit)
-        if decided.status == "absorbed":
-            raise Ignore(f"run {decided.task_id} of {sem.name!r} answers for it")
-        wait = read_wait(request)
-        reason = "not due yet (debounce)" if decided.status == "defer" else "another run's turn"
-        what = f"its turn on {sem.name!r}"
-        ask = Contention(task, request, sem.name, what, None, self.config)
-        raise ask.publish_retry(decided.delay, wait, release=None, reason=reason)
-
-    def end(self, *, clear: bool = True) -> None:
-        """Stop renewing; the record is finished in ``task_postrun`` (with the result)."""
-        super().end(clear=False)
-
-
-#: The coalesced runs going on in this process, by task id, until their ``task_postrun``.
-_runs: dict[str, CoalesceRun] = {}
-
-
-def _on_postrun(
-    task: Any = None, task_id: str | None = None, retval: Any = None, state: Any = None, **_: Any
-) -> None:
-    run = _runs.pop(task_id or "", None)
-    if run is None or state not in (states.SUCCESS, states.FAILURE):
-        return  # a retry comes back; an absorbed run answers for nothing
-    try:
-        answered = run.mark.finish(run.task_id)  # type: ignore[attr-defined]
-    except BackendError as exc:
-        logger.warning(
-            "celery_redsem: could not finish the coalesce record of %r for %s: %s",
-            run.mark.name,
-            run.task_id,
-            exc,
-        )
-        return
-    _store(task, answered, retval, state)
-
-
-def _store(task: Task[Any, Any], ids: list[str], retval: Any, state: str) -> None:
+def store_results(task: Task[Any, Any], ids: list[str], retval: Any, state: str) -> None:
     """Store ``retval`` (an error if ``state`` is FAILURE) under each of ``ids``."""
     for other in ids:
         try:
@@ -303,7 +203,7 @@ def abandon(task: Task[Any, Any], name: str, task_id: str) -> None:
         "ended without a result (its worker was lost, or it was revoked or expired)"
     )
     pending = [i for i in answered if task.backend.get_state(i) not in states.READY_STATES]
-    _store(task, pending, error, states.FAILURE)
+    store_results(task, pending, error, states.FAILURE)
 
 
 def _finish_quietly(record: CoalesceRecord, task_id: str) -> None:
@@ -330,6 +230,3 @@ def check_debounce(dedupe: object, debounce: object, debounce_max: object, where
             f"debounce_max of {where} ({most}s) must be at least its debounce ({wait}s)"
         )
     return Debounce(wait, most)
-
-
-task_postrun.connect(_on_postrun, weak=False, dispatch_uid=f"{__name__}.postrun")

@@ -78,6 +78,7 @@ def wrap_sends(cls: type, guard: Guard) -> None:
         name = guard.name_for(task.name, call_arguments(task, args), kwargs or {})
         if guard.dedupe == "coalesce":
             debounce = getattr(guard, "debounce", None) or Debounce()
+            options["redsem_ttl"] = queued_ttl(get_config(task.app), options)
             return coalesce.send(task, name, debounce, (args, kwargs, task_id, options), original)
         config = get_config(task.app)
         task_id = task_id or uuid()
@@ -144,7 +145,8 @@ def mark_received(request: Any) -> None:
         name = guard.name_for(task.name, call_arguments(task, request.args), request.kwargs or {})
         if guard.dedupe == "coalesce":
             debounce = getattr(guard, "debounce", None) or Debounce()
-            coalesce.receive(task, name, debounce, request)
+            ttl = queued_ttl(config, {"eta": request.eta})
+            coalesce.receive(task, name, debounce, request, ttl)
             return
         mark = mark_of(task.app, name, config)
         holder = mark.claim(task_id, queued_ttl(config, {"eta": request.eta}))

@@ -38,7 +38,7 @@ from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import SECONDS, Rule
 from celery_redsem.integration import wire
-from celery_redsem.integration.dedupe import coalesce, run_mark
+from celery_redsem.integration.dedupe import coalesce, coalesce_run, run_mark
 from celery_redsem.integration.guards.base import Guard, guards_of
 from celery_redsem.integration.guards.contention import Contention
 from celery_redsem.integration.guards.endings import ON_BUSY, busy, skipped, try_once
@@ -408,7 +408,9 @@ class SemaphoreGuard(Guard, kind="permit"):
         if not self.dedupe or request is None or request.called_directly or not request.id:
             return None
         if self.dedupe == "coalesce":
-            return coalesce.CoalesceRun(call.app, call.name, request.id, call.config, self.debounce)
+            return coalesce_run.CoalesceRun(
+                call.app, call.name, request.id, call.config, self.debounce
+            )
         return run_mark.RunMark(call.app, call.name, request.id, call.config)
 
     def _skip_busy(

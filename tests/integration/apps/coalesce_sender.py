@@ -13,8 +13,11 @@ from typing import Any
 
 from celery import chain
 from celery.result import AsyncResult
+from prometheus_client import CollectorRegistry
 
 from celery_redsem.core.marks import CoalesceRecord
+from celery_redsem.metrics import enable_metrics
+from celery_redsem.signals import task_coalesced
 from tests.integration.apps.coalesce_tasks import (
     PREFIX,
     app,
@@ -25,6 +28,10 @@ from tests.integration.apps.coalesce_tasks import (
     echo,
     rebuild,
 )
+
+#: What this process's task_coalesced signals said, and its metrics.
+signals: list[dict[str, Any]] = []
+registry = CollectorRegistry()
 
 TIMEOUT = float(os.environ.get("REDSEM_TEST_SENDER_TIMEOUT", "60"))
 
@@ -126,7 +133,24 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     for f in (five_during_a_run, debounce, debounce_max, other_ways, killed, too_large)
 }
 
+
+def _note(sender: Any = None, **kwargs: Any) -> None:
+    signals.append({"task": sender.name, **{k: v for k, v in kwargs.items() if k != "signal"}})
+
+
+def _counted(task: str) -> dict[str, float]:
+    found = {}
+    for how in ("coalesced", "debounced"):
+        labels = {"task": task, "how": how}
+        found[how] = registry.get_sample_value("redsem_coalesced_total", labels) or 0.0
+    return found
+
+
 if __name__ == "__main__":
     scenario, doc, *rest = sys.argv[1:]
+    enable_metrics(registry)
+    task_coalesced.connect(_note, weak=False)
     found = SCENARIOS[scenario](doc, *rest)
-    print(json.dumps({**found, "finalized": app.finalized}))
+    counted = {name: _counted(name) for name in ("c.rebuild", "c.debounced")}
+    report = {**found, "signals": signals, "counted": counted, "finalized": app.finalized}
+    print(json.dumps(report))
