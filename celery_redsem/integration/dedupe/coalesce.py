@@ -103,16 +103,17 @@ def deserialize(app: Celery, arguments: Arguments) -> tuple[list[Any], dict[str,
 def send(
     task: Task[Any, Any],
     name: str,
-    debounce: Debounce,
     call: tuple[Any, Any, str | None, dict[str, Any]],
     original: Original,
+    *,
+    debounce: Debounce,
+    ttl: float,
 ) -> Any:
     """A coalesced send of ``task`` on ``name`` (``call``: args, kwargs, task id, options):
     absorbed by the pending run (its ``AsyncResult``), or published as the pending run (with
-    ``debounce``, on a countdown). Its options carry ``redsem_ttl``: seconds the pending run
-    counts as live (then a send starts another), taken out before publishing."""
+    ``debounce``, on a countdown), which counts as live for ``ttl`` seconds (then a send
+    starts another)."""
     args, kwargs, given_id, options = call
-    ttl = options.pop("redsem_ttl")
     task_id = given_id or uuid()
     if any(options.get(o) for o in CANVAS_OPTIONS) or task.app.conf.task_always_eager:
         return original(task, args, kwargs, task_id=task_id, **options)  # decided on receipt

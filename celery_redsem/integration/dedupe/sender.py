@@ -78,8 +78,9 @@ def wrap_sends(cls: type, guard: Guard) -> None:
         name = guard.name_for(task.name, call_arguments(task, args), kwargs or {})
         if guard.dedupe == "coalesce":
             debounce = getattr(guard, "debounce", None) or Debounce()
-            options["redsem_ttl"] = queued_ttl(get_config(task.app), options)
-            return coalesce.send(task, name, debounce, (args, kwargs, task_id, options), original)
+            ttl = queued_ttl(get_config(task.app), options)
+            call = (args, kwargs, task_id, options)
+            return coalesce.send(task, name, call, original, debounce=debounce, ttl=ttl)
         config = get_config(task.app)
         task_id = task_id or uuid()
         mark = mark_of(task.app, name, config)
