@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ import redis
 
 from celery_redsem.core.marks import CoalesceRecord
 from tests.integration.conftest import ROOT, WorkerProcess, running_workers
+from tests.servers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +153,48 @@ def test_a_killed_run_loses_no_pending_run(
     assert lost["error"] == "WorkerLostError"
     assert sends == ["v3"] * 3
     assert _versions(client, module_prefix, doc) == ["v0", "v3"]
+
+
+def test_a_killed_worker_loses_no_pending_run(
+    redis_url: str,
+    module_prefix: str,
+    workers: list[WorkerProcess],
+    client: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    # The whole worker (main process and children) is SIGKILLed while one run holds the key
+    # and the pending run's message waits in its other slot: both messages (acks_late) come
+    # back to another worker once the broker's visibility timeout ends.
+    doc = uuid.uuid4().hex[:10]
+    transport = {
+        "global_keyprefix": f"{module_prefix}:kombu:",
+        "visibility_timeout": 3,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
+    late = ["-Q", "coalesce-late"]
+    conf = {"broker_transport_options": transport}
+    doomed = WorkerProcess(
+        redis_url, module_prefix, "k0", 2, tmp_path / "k0.log", *late, conf=conf,
+        app_module=APP_MODULE,
+    )  # fmt: skip
+    try:
+        doomed.wait_ready()
+        first, *sends = _scenario(redis_url, module_prefix, "before_the_kill", doc)["ids"]
+        received = f"c.rebuild_late[{sends[0]}] received"
+        wait_until(lambda: received in doomed.log(), 30, what="the pending run received")
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+    finally:
+        doomed.stop()
+    with running_workers(
+        redis_url, module_prefix, tmp_path, ["k1"], 2, *late, app_module=APP_MODULE, **conf
+    ):
+        found = _scenario(redis_url, module_prefix, "after_the_kill", doc, first, *sends)
+    assert found["results"] == ["v0", "v3", "v3", "v3"]
+    assert set(sends) == {sends[0]}
+    versions = _versions(client, module_prefix, doc)
+    assert versions[0] == "v0"  # the body killed
+    assert sorted(versions[1:]) == ["v0", "v3"]  # its run again, and the pending run's
 
 
 def test_arguments_over_the_limit_fail_visibly(

@@ -27,6 +27,7 @@ from tests.integration.apps.coalesce_tasks import (
     debounced,
     echo,
     rebuild,
+    rebuild_late,
 )
 
 #: What this process's task_coalesced signals said, and its metrics.
@@ -118,6 +119,18 @@ def killed(doc: str) -> dict[str, Any]:
     return {"results": [outcome(r) for r in [first, *sends]]}
 
 
+def before_the_kill(doc: str) -> dict[str, Any]:
+    first = rebuild_late.delay(doc, "v0", hold=True)
+    until(lambda: bodies(doc), "the first body")
+    sends = [rebuild_late.delay(doc, f"v{i}") for i in range(1, 4)]
+    return {"ids": [first.id] + [r.id for r in sends]}
+
+
+def after_the_kill(doc: str, *ids: str) -> dict[str, Any]:
+    counter().rpush(f"{PREFIX}:c:go:{doc}", 1, 1)  # the first run's body runs again
+    return {"results": [outcome(AsyncResult(i, app=app)) for i in ids]}
+
+
 def too_large(doc: str) -> dict[str, Any]:
     try:
         rebuild.delay(doc, "x" * 70_000)
@@ -130,7 +143,16 @@ def too_large(doc: str) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     f.__name__: f
-    for f in (five_during_a_run, debounce, debounce_max, other_ways, killed, too_large)
+    for f in (
+        five_during_a_run,
+        debounce,
+        debounce_max,
+        other_ways,
+        killed,
+        before_the_kill,
+        after_the_kill,
+        too_large,
+    )
 }
 
 

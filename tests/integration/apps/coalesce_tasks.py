@@ -22,6 +22,9 @@ URL, PREFIX = os.environ["REDSEM_TEST_APP_URL"], os.environ["REDSEM_TEST_APP_PRE
 
 app = Celery("coalescing", set_as_current=False)
 app.conf.update(app_settings(URL, PREFIX))
+#: ``c.rebuild_late`` goes to a queue of its own, which the worker-kill test's workers consume.
+LATE_QUEUE = "coalesce-late"
+app.conf.task_routes = {"c.rebuild_late": {"queue": LATE_QUEUE}}
 app.conf.update(json.loads(os.environ.get("REDSEM_TEST_APP_CONF", "{}")))
 
 _clients: dict[int, redis.Redis] = {}
@@ -53,6 +56,12 @@ def _body(doc: str, version: str, hold: bool) -> str:
 @app.task(name="c.rebuild")
 @with_lock(key=lambda doc: f"rebuild:{doc}", dedupe="coalesce")
 def rebuild(doc: str, version: str, hold: bool = False) -> str:
+    return _body(doc, version, hold)
+
+
+@app.task(name="c.rebuild_late", acks_late=True)
+@with_lock(key=lambda doc: f"late:{doc}", dedupe="coalesce")
+def rebuild_late(doc: str, version: str, hold: bool = False) -> str:
     return _body(doc, version, hold)
 
 
