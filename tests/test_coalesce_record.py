@@ -50,6 +50,8 @@ def test_sends_while_a_run_is_pending_are_absorbed_and_the_run_takes_the_newest(
     assert started.arguments == _args("4")  # the newest
     assert started.answers == ("c", "x")  # (sorted by the hash, not by time)
     assert record.state().running == "a"
+    # Repeated (a client's retry after a lost reply, a redelivery): the same answer.
+    assert record.start("a", "a", _args("1"), 60, NO_DEBOUNCE, canvas=False) == started
     # A send now starts the next pending run; the running run answers for c and x.
     assert record.send("d", _args("5"), 60, NO_DEBOUNCE, own_id=False).status == "publish"
     assert sorted(record.finish("a")) == ["c", "x"]

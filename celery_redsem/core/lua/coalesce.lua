@@ -11,6 +11,7 @@
 --                  'args','ct','ce'  its newest arguments, serialized, content type, encoding
 --                  'due','first'     debounce: it may start from 'due' (ms); its first send
 --                  'a:<id>'          a message the pending run answers for
+--                  'ra','rt','re'    the arguments the running run took over (for a repeat)
 --                  'r:<run>:<id>'    a message the running run <run> answers for
 -- KEYS[2] holders  the semaphore's holders hash (same hash tag)
 -- ARGV[1] 'send', 'receive', 'start', 'keep', 'finish' or 'state'
@@ -32,7 +33,8 @@
 --          step waits its turn, {'queued', p}.
 -- start:   (the run, holding its permit) {'run', args|false, ct, ce, answered ids...}: it
 --          runs (args false: with its own); {'defer', ms}: not yet due; {'wait', ms}: another
---          run is running or pending; {'absorbed', p}: another run answers for it.
+--          run is running or pending; {'absorbed', p}: another run answers for it. Repeated
+--          by the running run (a retry, a redelivery, a client's retry), the same 'run' reply.
 -- keep:    push the record's TTL while the task runs under the permit; 1, or 0 if it is not.
 -- finish:  the run ended: drop it as running or pending; returns the ids it answers for.
 -- state:   {running id|false, running live 0/1, pending id|false, due in ms, answered count}.
@@ -73,7 +75,7 @@ if op == 'finish' then
     redis.call('HDEL', record, 'r:' .. id .. ':' .. other)
   end
   if running == id then
-    redis.call('HDEL', record, 'id', 'run')
+    redis.call('HDEL', record, 'id', 'run', 'ra', 'rt', 're')
   end
   if pending == id then
     for _, other in ipairs(ids_with('a:')) do
@@ -184,7 +186,12 @@ local permit = ARGV[10]
 if running == id then
   redis.call('HSET', record, 'run', permit)
   live_at_least(ttl)
-  return {'run', false, '', ''}
+  local took = redis.call('HMGET', record, 'ra', 'rt', 're')
+  local reply = {'run', took[1] or false, took[2] or '', took[3] or ''}
+  for _, other in ipairs(ids_with('r:' .. id .. ':')) do
+    reply[#reply + 1] = other
+  end
+  return reply
 end
 if pending ~= id then
   local said = receive()
@@ -211,7 +218,10 @@ for _, other in ipairs(ids_with('a:')) do
   redis.call('HSET', record, 'r:' .. id .. ':' .. other, 1)
   reply[#reply + 1] = other
 end
-redis.call('HDEL', record, 'p', 'pc', 'pexp', 'args', 'ct', 'ce', 'due', 'first')
+redis.call('HDEL', record, 'p', 'pc', 'pexp', 'args', 'ct', 'ce', 'due', 'first', 'ra', 'rt', 're')
 redis.call('HSET', record, 'id', id, 'run', permit)
+if got[1] then
+  redis.call('HSET', record, 'ra', got[1], 'rt', got[2], 're', got[3])
+end
 live_at_least(ttl)
 return reply
