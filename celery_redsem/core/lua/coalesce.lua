@@ -54,8 +54,9 @@ local function running_live()
 end
 
 local function ids_with(prefix)
-  local found, all = {}, redis.call('HKEYS', record)
-  for _, field in ipairs(all) do
+  local found, all = {}, redis.call('HGETALL', record)
+  for i = 1, #all, 2 do
+    local field = all[i]
     if string.sub(field, 1, #prefix) == prefix then
       found[#found + 1] = string.sub(field, #prefix + 1)
     end
@@ -156,7 +157,7 @@ if op ~= 'receive' and op ~= 'start' then
 end
 
 local function receive()
-  if running == id or pending == id or redis.call('HEXISTS', record, 'a:' .. id) == 1 then
+  if running == id or pending == id or redis.call('HGET', record, 'a:' .. id) then
     return {'known', id}
   end
   if not pending_live then
