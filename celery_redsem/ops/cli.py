@@ -271,8 +271,8 @@ def status(
 
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
     order they will be served, and the last fencing token granted; and, listed first, each rate
-    limiter of the selection: its rate, burst, next free time and booked slots. Found with
-    SCAN, never KEYS.
+    limiter of the selection: its rate, burst, next free time and booked slots; with NAME, its
+    running and pending runs (dedupe="coalesce"). Found with SCAN, never KEYS.
     A semaphore that cannot be read is skipped with a warning; the others are listed.
     """
     glob = _selection(name, pattern)

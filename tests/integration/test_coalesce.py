@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import pytest
 import redis
 
 from celery_redsem.core.marks import CoalesceRecord
-from tests.integration.conftest import ROOT, WorkerProcess, running_workers
+from tests.integration.conftest import ROOT, WorkerProcess, running_beat, running_workers
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -142,6 +143,45 @@ def test_send_task_and_a_canvas_step_coalesce_and_the_canvas_goes_on(
     assert found["results"] == ["v0", "v4", "v4", "after", "v4", "v4"]
     assert found["later_id"] == found["step_id"]
     assert _versions(client, module_prefix, doc) == ["v0", "v4"]
+
+
+def test_beat_sends_coalesce_behind_the_running_run(
+    redis_url: str,
+    module_prefix: str,
+    workers: list[WorkerProcess],
+    client: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    # A job scheduled four times as often as it takes: one run at a time, one pending behind
+    # it, nothing piled up.
+    doc = uuid.uuid4().hex[:10]
+    entry = {
+        "task": "c.rebuild",
+        "schedule": 0.25,
+        "args": [doc, "beat"],
+        "kwargs": {"seconds": 1.0},
+    }
+    with running_beat(redis_url, module_prefix, tmp_path, {"again": entry}, APP_MODULE) as (
+        beat,
+        log,
+    ):
+
+        def sends() -> int:
+            return log.read_text(errors="replace").count("Sending due task again")
+
+        wait_until(lambda: sends() >= 12 or beat.poll() is not None, 60, what="beat's sends")
+        assert beat.poll() is None, log.read_text()
+    sent = sends()
+    record = _record(client, module_prefix, f"rebuild:{doc}")
+
+    def settled() -> bool:
+        state = record.state()
+        return state.pending is None and not state.running_live
+
+    wait_until(settled, 30, what="the last run to end")
+    starts = [b["at"] for b in _bodies(client, module_prefix, doc)]
+    assert 2 <= len(starts) <= sent // 2
+    assert all(later - earlier >= 0.99 for earlier, later in itertools.pairwise(starts))
 
 
 def test_a_killed_run_loses_no_pending_run(

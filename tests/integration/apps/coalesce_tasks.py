@@ -3,14 +3,15 @@ nothing finalizes, set up from the environment as :mod:`.sender_tasks` is: a ``c
 runs it (``-A tests.integration.apps.coalesce_tasks``), and a sender process only imports it.
 
 Each body notes itself in ``<prefix>:c:bodies:<doc>`` (JSON: its version, the server time it
-started, its process), and with ``hold=True`` waits for ``<prefix>:c:go:<doc>``; a version
-starting with ``fail`` then raises.
+started, its process), and with ``hold=True`` waits for ``<prefix>:c:go:<doc>``, then takes
+``seconds``; a version starting with ``fail`` then raises.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import redis
 from celery import Celery
@@ -42,12 +43,13 @@ def bodies(doc: str) -> list[dict[str, object]]:
     return [json.loads(b) for b in counter().lrange(f"{PREFIX}:c:bodies:{doc}", 0, -1)]
 
 
-def _body(doc: str, version: str, hold: bool) -> str:
-    seconds, micros = counter().time()
-    note = {"version": version, "at": seconds + micros / 1e6, "pid": os.getpid()}
+def _body(doc: str, version: str, hold: bool, seconds: float = 0.0) -> str:
+    now_s, now_us = counter().time()
+    note = {"version": version, "at": now_s + now_us / 1e6, "pid": os.getpid()}
     counter().rpush(f"{PREFIX}:c:bodies:{doc}", json.dumps(note))
     if hold:
         counter().blpop([f"{PREFIX}:c:go:{doc}"], timeout=60)
+    time.sleep(seconds)  # (a body that takes this long)
     if version.startswith("fail"):
         raise RuntimeError(f"failed {version}")
     return version
@@ -55,8 +57,8 @@ def _body(doc: str, version: str, hold: bool) -> str:
 
 @app.task(name="c.rebuild")
 @with_lock(key=lambda doc: f"rebuild:{doc}", dedupe="coalesce")
-def rebuild(doc: str, version: str, hold: bool = False) -> str:
-    return _body(doc, version, hold)
+def rebuild(doc: str, version: str, hold: bool = False, seconds: float = 0.0) -> str:
+    return _body(doc, version, hold, seconds)
 
 
 @app.task(name="c.rebuild_late", acks_late=True)
