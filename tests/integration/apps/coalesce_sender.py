@@ -87,7 +87,7 @@ def debounce(doc: str) -> dict[str, Any]:
 
 def debounce_max(doc: str) -> dict[str, Any]:
     first_sent, sends = server_time(), []
-    for i in range(20):  # 2 s of sends 0.1 s apart: never quiet for debounce=0.3
+    for i in range(30):  # 3 s of sends 0.1 s apart: never quiet for debounce=0.3
         sends.append(capped.delay(doc, f"v{i}"))
         time.sleep(0.1)
     return {"first_sent": first_sent, "results": [outcome(r) for r in sends]}
