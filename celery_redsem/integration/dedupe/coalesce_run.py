@@ -6,6 +6,7 @@ under every id it answers for."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import Celery, Task, states
@@ -67,27 +68,23 @@ class CoalesceRun(RunMark):
         call: tuple[tuple[Any, ...], dict[str, Any]],
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Holding ``permit``: the arguments the body runs with (``call`` or the newest);
-        raises Celery's ``Retry`` (not due yet, or another run's turn) or ``Ignore``
-        (absorbed), having released the permit."""
+        raises Celery's ``Retry`` (not due yet, another run's turn, or Redis failed: as a
+        contention retry) or ``Ignore`` (absorbed), having released the permit."""
         if request.is_eager or request.called_directly:
             return call
+        started = time.monotonic()
+        what = f"its turn on {sem.name!r}"
+        ask = Contention(task, request, sem.name, what, None, self.config)
         try:
             arguments = serialize(task, request.args, request.kwargs, sem.name)
             canvas = any(getattr(request, f, None) for f in CANVAS_FIELDS)
             decided = self.record.start(
                 self.task_id, permit.id, arguments, self.ttl, self.debounce, canvas=canvas
             )
-        except BackendError as exc:
-            logger.warning(
-                "celery_redsem: could not read the coalesce record of %r for run %s; it runs "
-                "with its own arguments: %s",
-                sem.name,
-                self.task_id,
-                exc,
-            )
-            return call
-        except BaseException:
+        except BaseException as exc:
             release_quietly(sem, permit)
+            if isinstance(exc, BackendError):  # (a repeated start answers as this one did)
+                ask.retry_after_error(exc, started=started)
             raise
         if decided.status == "run":
             self.permit_id = permit.id
@@ -99,11 +96,8 @@ class CoalesceRun(RunMark):
         release_quietly(sem, permit)
         if decided.status == "absorbed":
             raise Ignore(f"run {decided.task_id} of {sem.name!r} answers for it")
-        wait = read_wait(request)
         reason = "not due yet (debounce)" if decided.status == "defer" else "another run's turn"
-        what = f"its turn on {sem.name!r}"
-        ask = Contention(task, request, sem.name, what, None, self.config)
-        raise ask.publish_retry(decided.delay, wait, release=None, reason=reason)
+        raise ask.publish_retry(decided.delay, read_wait(request), release=None, reason=reason)
 
     def end(self, *, clear: bool = True) -> None:
         """Stop renewing; the record is finished in ``task_postrun`` (with the result)."""
