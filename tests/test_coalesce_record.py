@@ -96,6 +96,9 @@ def test_a_canvas_step_takes_a_plain_pending_runs_place_and_is_never_absorbed(re
     step = record.start("step", "step", _args("2"), 60, NO_DEBOUNCE, canvas=True)
     assert (step.arguments, step.answers) == (_args("3"), ("plain",))
     assert record.finish("step") == ["plain"]
+    # The plain run's message, coming only now (it waited for the lock), still ends absorbed.
+    late = record.start("plain", "plain", _args("1"), 60, NO_DEBOUNCE, canvas=False)
+    assert late.status == "absorbed"
     assert record.start("step2", "step2", _args("4"), 60, NO_DEBOUNCE, canvas=True).status == "run"
 
 

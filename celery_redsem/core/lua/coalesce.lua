@@ -11,6 +11,9 @@
 --                  'args','ct','ce'  its newest arguments, serialized, content type, encoding
 --                  'due','first'     debounce: it may start from 'due' (ms); its first send
 --                  'a:<id>'          a message the pending run answers for
+--                  'd:<id>'          a pending run whose place a canvas step took: its message
+--                                    still comes, and must end absorbed whenever it does (kept
+--                                    until the record expires)
 --                  'ra','rt','re'    the arguments the running run took over (for a repeat)
 --                  'r:<run>:<id>'    a message the running run <run> answers for
 -- KEYS[2] holders  the semaphore's holders hash (same hash tag)
@@ -157,7 +160,8 @@ if op ~= 'receive' and op ~= 'start' then
 end
 
 local function receive()
-  if running == id or pending == id or redis.call('HGET', record, 'a:' .. id) then
+  if running == id or pending == id or redis.call('HGET', record, 'a:' .. id)
+      or redis.call('HGET', record, 'd:' .. id) then
     return {'known', id}
   end
   if not pending_live then
@@ -174,7 +178,7 @@ local function receive()
   end
   local old = pending
   become_pending(true)
-  redis.call('HSET', record, 'a:' .. old, 1)
+  redis.call('HSET', record, 'a:' .. old, 1, 'd:' .. old, 1)
   return {'took', old}
 end
 
@@ -197,7 +201,7 @@ end
 if pending ~= id then
   local said = receive()
   if said[1] == 'absorbed' or (said[1] == 'known' and pending ~= id) then
-    return {'absorbed', pending or said[2]}
+    return {'absorbed', pending or running or said[2]}
   end
   if said[1] == 'queued' then
     return {'wait', math.min(1000, ttl)}
