@@ -20,6 +20,7 @@ from typing import Any
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, ConfigurationError, RedsemError
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
+from celery_redsem.core.marks import CoalesceRecord
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.semaphore import FairSemaphore
@@ -28,6 +29,7 @@ from celery_redsem.core.validation import validate_name, validate_prefix
 
 __all__ = [
     "ForceRelease",
+    "coalesce_state",
     "force_release",
     "glob_escape",
     "iter_names",
@@ -154,6 +156,17 @@ def rate_states(
 
 def _log_skip(name: str, exc: Exception) -> None:
     logger.warning("skipped semaphore %r: %s", name, exc)
+
+
+def coalesce_state(
+    client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX
+) -> dict[str, Any] | None:
+    """The running and pending runs of ``name`` (``dedupe="coalesce"``; a ``dedupe=True``
+    mark shows as its running run), or None if it has neither."""
+    state = CoalesceRecord(client, name, prefix=prefix).state()
+    if state.running is None and state.pending is None:
+        return None
+    return asdict(state)
 
 
 def state_to_dict(state: SemaphoreState) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from celery_redsem.core.state import read_state
 from celery_redsem.core.validation import MAX_SECONDS, validate_prefix
 from celery_redsem.ops.admin import (
     OnSkip,
+    coalesce_state,
     force_release,
     glob_escape,
     purge,
@@ -161,6 +162,17 @@ def _waiter_lines(state: SemaphoreState, most: int | None = None) -> list[str]:
     return lines
 
 
+def _runs_line(runs: dict[str, Any]) -> str:
+    """The running and pending runs of a key (``dedupe="coalesce"``), on one line."""
+    running = runs["running"] and _shown(runs["running"])
+    if running and not runs["running_live"]:
+        running += " (its lease ended)"
+    pending = runs["pending"] and _shown(runs["pending"])
+    if pending:
+        pending += f" (due in {runs['due_in']:.1f}s, answers for {runs['answers']} more)"
+    return f"  runs: running {running or '-'}; pending {pending or '-'}"
+
+
 def _ttls(client: RedisClient, keys: list[str]) -> dict[str, int]:
     """Milliseconds left of each existing key (keys without a TTL show -1)."""
     try:
@@ -266,8 +278,8 @@ def status(
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
     order they will be served, and the last fencing token granted; and, listed first, each rate
     limiter of the selection: its windows (rate, burst), next free time, booked slots, the
-    units left of each window's burst, and a pause with its time left. Found with SCAN, never
-    KEYS.
+    units left of each window's burst, and a pause with its time left; with NAME, its running
+    and pending runs (dedupe="coalesce"). Found with SCAN, never KEYS.
     A semaphore that cannot be read is skipped with a warning; the others are listed.
     """
     glob = _selection(name, pattern)
@@ -283,6 +295,7 @@ def status(
         )
     )
     limiters = _run(lambda: rate_states(target.client, prefix=target.prefix, pattern=glob))
+    runs = name and _run(lambda: coalesce_state(target.client, name, prefix=target.prefix))
     if as_json:
         _print_json(
             {
@@ -292,14 +305,17 @@ def status(
                 "total": total,
                 "semaphores": [state_to_dict(s) for s in found],
                 "rate_limiters": [asdict(r) for r in limiters],
+                "runs": runs or None,
                 "skipped": skipped,
             }
         )
         return
     for limiter in limiters:
         click.echo(_rate_line(ctx, limiter))
+    if runs:
+        click.echo(_runs_line(runs))
     if not total:
-        if not limiters:
+        if not limiters and not runs:
             click.echo(_none_found(target, name, glob))
         return
     pauses = {limiter.name: limiter.paused for limiter in limiters}

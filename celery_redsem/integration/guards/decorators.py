@@ -57,6 +57,8 @@ def with_semaphore(
     lost_lease_policy: str | None = None,
     on_busy: str = "wait",
     dedupe: bool | str = False,
+    debounce: float | None = None,
+    debounce_max: float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """At most ``limit`` runs of the task at once per key, across all workers.
 
@@ -79,7 +81,14 @@ def with_semaphore(
             with :class:`~celery_redsem.Busy`). Neither of the last two joins the line.
         dedupe: ``True``: while a run for the key is queued or running, sending the task
             again returns that run's ``AsyncResult`` and queues nothing; ``"raise"``: raises
-            :class:`~celery_redsem.AlreadyQueued` instead (see :doc:`/coming-from-celery-once`).
+            :class:`~celery_redsem.AlreadyQueued` instead (see :doc:`/coming-from-celery-once`);
+            ``"coalesce"``: newest wins, at most one run running and one pending per key,
+            the pending run taking the newest arguments of the sends it absorbs, whose
+            results are its result (see :doc:`/choosing-dedupe`).
+        debounce: with ``dedupe="coalesce"``: a run starts only once this many seconds
+            passed (server clock) since the newest send for its key.
+        debounce_max: bound on that wait, in seconds from the first send the run answers
+            for (>= ``debounce``; default: none), for a stream that never goes quiet.
     """
 
     options = {
@@ -90,6 +99,8 @@ def with_semaphore(
         "lost_lease_policy": lost_lease_policy,
         "on_busy": on_busy,
         "dedupe": dedupe,
+        "debounce": debounce,
+        "debounce_max": debounce_max,
     }
     return _GuardDecorator(options)
 
@@ -166,7 +177,8 @@ def with_lock(
     key: str | KeyFunction, **options: Unpack[GuardOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1`` (and its
-    keyword options: ``lease``, ``max_wait``, ``lost_lease_policy``, ``on_busy``, ``dedupe``)."""
+    keyword options: ``lease``, ``max_wait``, ``lost_lease_policy``, ``on_busy``, ``dedupe``,
+    ``debounce``, ``debounce_max``)."""
     return with_semaphore(1, key, **options)
 
 

@@ -38,7 +38,7 @@ from celery_redsem.core.permits import Permit, Waiting
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import SECONDS, Rule
 from celery_redsem.integration import wire
-from celery_redsem.integration.dedupe import run_mark
+from celery_redsem.integration.dedupe import coalesce, coalesce_run, run_mark
 from celery_redsem.integration.guards.base import Guard, guards_of
 from celery_redsem.integration.guards.contention import Contention
 from celery_redsem.integration.guards.endings import ON_BUSY, busy, skipped, try_once
@@ -59,6 +59,9 @@ if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs i
 __all__ = ["GuardOptions", "SemaphoreGuard"]
 
 logger = logging.getLogger(__name__)
+
+
+_Arguments = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class GuardOptions(TypedDict, total=False):
     lost_lease_policy: str | None
     on_busy: str
     dedupe: bool | str
+    debounce: float | None
+    debounce_max: float | None
 
 
 class SemaphoreGuard(Guard, kind="permit"):
@@ -117,6 +122,9 @@ class SemaphoreGuard(Guard, kind="permit"):
         )
         self.on_busy: str = ON_BUSY.check(on_busy, f"on_busy of {where}")
         self.dedupe = run_mark.DEDUPE.check(dedupe, f"dedupe of {where}")
+        self.debounce = coalesce.check_debounce(
+            self.dedupe, options.get("debounce"), options.get("debounce_max"), where
+        )
 
     def __repr__(self) -> str:
         return f"<SemaphoreGuard {self.where} limit={self.limits!r} key={self.key!r}>"
@@ -177,7 +185,9 @@ class SemaphoreGuard(Guard, kind="permit"):
         if mark is not None and request is not None and (other := mark.claim(request)):
             return self._duplicate(call, other)
         started = time.monotonic()
-        sem, permit, confirmed_at = self._permit(call, mark, started)
+        sem, permit, confirmed_at, (args, kwargs) = self._permit(
+            call, mark, started, (args, kwargs)
+        )
         if permit is None:  # on_busy="skip", and the key is busy
             return self._skip_busy(call, mark, args, kwargs)
         # From the grant on, every way out releases: nothing may run between it and the try.
@@ -225,11 +235,12 @@ class SemaphoreGuard(Guard, kind="permit"):
         return result
 
     def _permit(
-        self, call: _Call, mark: run_mark.RunMark | None, started: float
-    ) -> tuple[FairSemaphore, Permit | None, float | None]:
+        self, call: _Call, mark: run_mark.RunMark | None, started: float, arguments: _Arguments
+    ) -> tuple[FairSemaphore, Permit | None, float | None, _Arguments]:
         """The semaphore and the run's permit (None: on_busy="skip" and the key is busy),
-        and when the grant was confirmed if the main process handed it over. Whatever ends
-        the run here (a failure, not a retry) clears its dedupe mark."""
+        when the grant was confirmed if the main process handed it over, and the arguments
+        the body runs with (a coalesced run's may be newer). Whatever ends the run here (a
+        failure, not a retry) clears its dedupe mark."""
         request = call.request
         got: tuple[FairSemaphore, Permit | None, float | None]
         try:
@@ -247,7 +258,9 @@ class SemaphoreGuard(Guard, kind="permit"):
             raise
         if mark is not None and got[1] is not None:
             mark.hold(got[1].id)  # live from now on as long as the permit is
-        return got
+            if call.task is not None and request is not None:  # (releases if it raises)
+                arguments = mark.take_over(call.task, request, got[0], got[1], arguments)
+        return (*got, arguments)
 
     def _worker_permit(
         self, call: _Call, request: Context, started: float
@@ -370,7 +383,9 @@ class SemaphoreGuard(Guard, kind="permit"):
                 exc,
             )
             return False
-        if self.dedupe and request.id:
+        if self.dedupe == "coalesce" and request.id:
+            coalesce.abandon(task, name, request.id)
+        elif self.dedupe and request.id:
             run_mark.clear_quietly(run_mark.mark_of(task.app, name), request.id)
         return release_quietly(self.semaphore(task.app, name, limit=limit), permit_id) is True
 
@@ -395,6 +410,10 @@ class SemaphoreGuard(Guard, kind="permit"):
         request = call.request
         if not self.dedupe or request is None or request.called_directly or not request.id:
             return None
+        if self.dedupe == "coalesce":
+            return coalesce_run.CoalesceRun(
+                call.app, call.name, request.id, call.config, self.debounce
+            )
         return run_mark.RunMark(call.app, call.name, request.id, call.config)
 
     def _skip_busy(
@@ -418,7 +437,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         assert call.task is not None
         assert call.request is not None
         sem = self.semaphore(call.app, call.name, call.config, call.limit)
-        run_mark.end_duplicate(call.task, call.request, sem, other, raise_it=self.dedupe == "raise")
+        run_mark.end_duplicate(call.task, call.request, sem, other, self.dedupe)
 
 
 #: The semaphores of this process, by client, name and settings: one is built (and checks its
