@@ -30,7 +30,7 @@ if left >= ms then
   return left
 end
 local holders = string.sub(KEYS[1], 1, #KEYS[1] - 5) .. 'holders'
-if redis.call('HEXISTS', holders, ':gate') == 1 then
+if redis.call('HGET', holders, ':gate') then
   redis.call('HSET', holders, ':gate', 0)
 end
 local now = server_now()
