@@ -186,10 +186,10 @@ class SemaphoreSpec:
         back_in = options.get("back_in", 0.0)
         join, lease = options.get("join_line", False), options.get("waiter_lease")
         arg = self._acquire_arg(pid, join, lease, back_in)
-        return self._fair_args(arg, options.get("group"), options.get("weight", 1.0), back_in)
+        return self._fair_args(arg, options.get("group"), options.get("weight", 1.0))
 
     def _fair_args(
-        self, arg: str, group: str | None, weight: float, back_in: float
+        self, arg: str, group: str | None, weight: float
     ) -> tuple[LuaScript, tuple[str, ...]]:
         """The script and ARGV for acquire.lua's ARGV[1] ``arg``, with or without a group."""
         if group is None:
@@ -197,7 +197,7 @@ class SemaphoreSpec:
             return self._fair.acquire_script, (arg,)
         return self._fair.acquire_script, (
             arg,
-            self._fair.group_arg(group, weight, back_in, self.name),
+            self._fair.group_arg(group, weight, self.name),
         )
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
