@@ -4,9 +4,10 @@ group, or the next group with one present, is served meanwhile."""
 
 from __future__ import annotations
 
+import pytest
 import redis
 
-from celery_redsem import FairSemaphore, Permit, Waiting
+from celery_redsem import ConfigurationError, FairSemaphore, Permit, Waiting
 
 
 def grouped(client: redis.Redis, prefix: str, limit: int = 1) -> FairSemaphore:
@@ -86,3 +87,22 @@ def test_every_away_key_expires(redis_client, prefix):
     assert redis_client.pttl(due) > 0
     assert sem.release("a-0")  # its place given up
     assert redis_client.zcard(due) == 0
+
+
+def test_a_view_in_a_group_asks_with_its_group_and_weight(redis_client, prefix):
+    sem = grouped(redis_client, prefix)
+    pro = sem.in_group("pro", 2)
+    assert sem.group is None
+    assert isinstance(pro.attempt("p-0", join_line=True), Permit)
+    assert isinstance(pro.attempt("p-1", join_line=True), Waiting)
+    assert [(g.group, g.holders, g.waiting, g.weight) for g in sem.groups()] == [
+        ("pro", 1, 1, 2.0)
+    ]
+    for bad, message in (("", "needs a group"), ("a\0b", "NUL")):
+        with pytest.raises(ConfigurationError, match=message):
+            sem.in_group(bad)
+    with pytest.raises(ConfigurationError, match="weight must be"):
+        sem.in_group("g", 0)
+    plain = FairSemaphore(redis_client, "plain", 1, prefix=prefix)
+    with pytest.raises(ConfigurationError, match="not grouped"):
+        plain.in_group("g")

@@ -152,6 +152,15 @@ class FairSemaphore(SemaphoreSpec):
         other._use_keys()
         return other
 
+    def in_group(self, group: str, weight: float = 1.0) -> FairSemaphore:
+        """This grouped semaphore as seen by one caller of ``group`` with ``weight``: a copy
+        whose attempts (and ``acquire``/``hold``) that name no group take these. Both are
+        checked here (:class:`ConfigurationError` if bad)."""
+        self._fair.group_arg(group, weight, self.name)
+        other = copy.copy(self)
+        other.group, other.weight = group, float(weight)
+        return other
+
     def _use_keys(self) -> None:
         """The keys the scripts are called with, for :attr:`keys`; and EVALSHA's numkeys and
         keys, encoded once, not on every call."""

@@ -140,6 +140,9 @@ class SemaphoreSpec:
         self.grouped: bool = self._fair.grouped
         self.group_limit: int | None = self._fair.group_limit
         self._release_script: LuaScript = self._fair.release_script
+        #: The group and weight of attempts that name none (see ``in_group``).
+        self.group: str | None = None
+        self.weight: float = 1.0
         self._prefix = self.keys.prefix
         self._lease_ms = to_ms(self.lease)
         self._idle_ms = to_ms(self.idle_ttl)
@@ -192,6 +195,8 @@ class SemaphoreSpec:
         self, arg: str, group: str | None, weight: float
     ) -> tuple[LuaScript, tuple[str, ...]]:
         """The script and ARGV for acquire.lua's ARGV[1] ``arg``, with or without a group."""
+        if group is None and self.group is not None:  # (a view made by in_group)
+            group, weight = self.group, self.weight
         if group is None:
             self._fair.check_ungrouped(weight, self.name)
             return self._fair.acquire_script, (arg,)
