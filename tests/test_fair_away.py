@@ -15,9 +15,7 @@ def grouped(client: redis.Redis, prefix: str, limit: int = 1) -> FairSemaphore:
 
 
 def away(sem: FairSemaphore, pid: str, group: str, seconds: float = 20.0) -> Permit | Waiting:
-    return sem.attempt(
-        pid, join_line=True, group=group, waiter_lease=seconds + 10, back_in=seconds
-    )
+    return sem.attempt(pid, join_line=True, group=group, waiter_lease=seconds + 10, back_in=seconds)
 
 
 def ask(sem: FairSemaphore, pid: str, group: str) -> Permit | Waiting:
@@ -95,9 +93,7 @@ def test_a_view_in_a_group_asks_with_its_group_and_weight(redis_client, prefix):
     assert sem.group is None
     assert isinstance(pro.attempt("p-0", join_line=True), Permit)
     assert isinstance(pro.attempt("p-1", join_line=True), Waiting)
-    assert [(g.group, g.holders, g.waiting, g.weight) for g in sem.groups()] == [
-        ("pro", 1, 1, 2.0)
-    ]
+    assert [(g.group, g.holders, g.waiting, g.weight) for g in sem.groups()] == [("pro", 1, 1, 2.0)]
     for bad, message in (("", "needs a group"), ("a\0b", "NUL")):
         with pytest.raises(ConfigurationError, match=message):
             sem.in_group(bad)

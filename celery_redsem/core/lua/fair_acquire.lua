@@ -11,7 +11,7 @@
 -- Returns as acquire.lua: status '<token>:<lease expiry ms>' if granted (or already held:
 -- same token, lease renewed, ':renewed' appended if ':1' asked), else {position, waiter
 -- expiry ms} (position: 1 + groups served before the caller's group + waiters ahead in it
--- times the groups waiting, about how many grants come first; 0 if not in line).
+-- times the groups waiting / its weight: about how many grants come first; 0 if not in line).
 --
 -- Granted when a permit is free, the caller's group holds fewer than the group limit, no
 -- present waiter of its group comes before it (waiters away on their back in do not count),
@@ -183,8 +183,9 @@ for _, key in ipairs({line, f.key('fwx', group), f.key('fwd', group), f.fair, gk
   f.keep(key, keep)
 end
 save(':limit', limit, waiter_until + half_idle)
--- Served about one round of the waiting groups per place ahead in its own line.
+-- Served about one round of the waiting groups per place ahead in its own line (a round
+-- serves a group of weight w about w times).
 local groups = redis.call('ZCARD', f.fq)
-local position = redis.call('ZRANK', line, id) * math.max(1, groups) + 1
+local position = math.floor(redis.call('ZRANK', line, id) * math.max(1, groups) / weight) + 1
 position = position + (redis.call('ZRANK', f.fq, group) or groups)
 return {position, waiter_until}

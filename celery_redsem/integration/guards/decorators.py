@@ -51,6 +51,9 @@ def with_semaphore(
     lost_lease_policy: str | None = None,
     on_busy: str = "wait",
     dedupe: bool | str = False,
+    fair_by: Callable[..., object] | None = None,
+    weight: float | Callable[..., object] = 1,
+    group_limit: int | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """At most ``limit`` runs of the task at once per key, across all workers.
 
@@ -74,6 +77,15 @@ def with_semaphore(
         dedupe: ``True``: while a run for the key is queued or running, sending the task
             again returns that run's ``AsyncResult`` and queues nothing; ``"raise"``: raises
             :class:`~celery_redsem.AlreadyQueued` instead (see :doc:`/coming-from-celery-once`).
+        fair_by: who shares the limit: a callable of the task's arguments by name returning
+            the run's group (a str or int, ``fair_by=lambda account_id: account_id``). A free
+            permit then goes to the group with the smallest share served, FIFO within a group
+            (see :doc:`/fair-share`).
+        weight: with ``fair_by``, the group's weight (a number > 0, default 1), or a callable
+            of the task's arguments by name returning it: a group of weight 2 gets twice
+            the share of one of weight 1 while both wait.
+        group_limit: with ``fair_by``, at most this many runs of one group at once (an int
+            >= 1; default: no cap besides ``limit``).
     """
 
     options = {
@@ -84,6 +96,9 @@ def with_semaphore(
         "lost_lease_policy": lost_lease_policy,
         "on_busy": on_busy,
         "dedupe": dedupe,
+        "fair_by": fair_by,
+        "weight": weight,
+        "group_limit": group_limit,
     }
     return _GuardDecorator(options)
 
@@ -160,7 +175,8 @@ def with_lock(
     key: str | KeyFunction, **options: Unpack[GuardOptions]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1`` (and its
-    keyword options: ``lease``, ``max_wait``, ``lost_lease_policy``, ``on_busy``, ``dedupe``)."""
+    keyword options: ``lease``, ``max_wait``, ``lost_lease_policy``, ``on_busy``, ``dedupe``,
+    ``fair_by``, ``weight``, ``group_limit``)."""
     return with_semaphore(1, key, **options)
 
 

@@ -44,6 +44,7 @@ from celery_redsem.integration.guards.contention import Contention
 from celery_redsem.integration.guards.endings import ON_BUSY, busy, skipped, try_once
 from celery_redsem.integration.guards.naming import LimitRule, call_arguments
 from celery_redsem.integration.guards.reentry import Entered, enter, held_by_caller, leave
+from celery_redsem.integration.guards.sharing import Share, Sharing, sharing_of
 from celery_redsem.integration.line import release_quietly, server_ms
 from celery_redsem.integration.policy import hold_times
 from celery_redsem.integration.seam import active_apps
@@ -72,6 +73,7 @@ class _Call:
     name: str
     limit: int
     config: RedsemConfig
+    share: Share | None
 
 
 class GuardOptions(TypedDict, total=False):
@@ -84,6 +86,9 @@ class GuardOptions(TypedDict, total=False):
     lost_lease_policy: str | None
     on_busy: str
     dedupe: bool | str
+    fair_by: Callable[..., object] | None
+    weight: float | Callable[..., object]
+    group_limit: int | None
 
 
 class SemaphoreGuard(Guard, kind="permit"):
@@ -117,6 +122,14 @@ class SemaphoreGuard(Guard, kind="permit"):
         )
         self.on_busy: str = ON_BUSY.check(on_busy, f"on_busy of {where}")
         self.dedupe = run_mark.DEDUPE.check(dedupe, f"dedupe of {where}")
+        #: Who shares the semaphore (``fair_by``, ``weight``, ``group_limit``), or None.
+        self.sharing: Sharing | None = sharing_of(
+            fn,
+            options.get("fair_by"),
+            options.get("weight", 1),
+            options.get("group_limit"),
+            where,
+        )
 
     def __repr__(self) -> str:
         return f"<SemaphoreGuard {self.where} limit={self.limits!r} key={self.key!r}>"
@@ -131,16 +144,37 @@ class SemaphoreGuard(Guard, kind="permit"):
         """The semaphore name and limit for one call."""
         return self.name_for(task_name, args, kwargs), self.limit_for(task_name, args, kwargs)
 
+    def naming_for(
+        self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[str, int, Share | None]:
+        """The semaphore name, limit, and group and weight (None: not shared fairly) of a call."""
+        return (
+            *self.name_and_limit(task_name, args, kwargs),
+            self.share_for(task_name, args, kwargs),
+        )
+
+    def share_for(
+        self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> Share | None:
+        """The group and weight of one call, or None if the semaphore is not shared fairly."""
+        return None if self.sharing is None else self.sharing.share_for(task_name, args, kwargs)
+
     def semaphore(
-        self, app: Celery, name: str, config: RedsemConfig | None = None, limit: int | None = None
+        self,
+        app: Celery,
+        name: str,
+        config: RedsemConfig | None = None,
+        limit: int | None = None,
+        share: Share | None = None,
     ) -> FairSemaphore:
         """The semaphore ``name`` with ``limit`` (default: this guard's fixed limit) and the
-        app's settings."""
+        app's settings; with ``fair_by``, grouped, and asking in ``share``'s group if given."""
         config = config or get_config(app)
         limit = self.limit if limit is None else limit
         if limit is None:
             raise ConfigurationError(f"{self!r} computes its limit per call: pass limit=")
-        return _semaphore(
+        sharing = self.sharing
+        sem = _semaphore(
             get_client(app),
             name,
             limit,
@@ -149,7 +183,10 @@ class SemaphoreGuard(Guard, kind="permit"):
             prefix=config.key_prefix,
             min_replicas=config.min_replicas,
             replica_timeout=config.replica_timeout,
+            grouped=sharing is not None,
+            group_limit=None if sharing is None else sharing.group_limit,
         )
+        return sem if share is None else sem.in_group(*share)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -160,8 +197,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         app = task.app if task is not None else self._app_of_direct_call()
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
-        name = self.name_for(task_name, args, kwargs)
-        limit = self.limit_for(task_name, args, kwargs)
+        name, limit, share = self.naming_for(task_name, args, kwargs)
         outer = held_by_caller(name, config.key_prefix, limit)
         if outer is not None:
             # Re-entrant: a guarded call running in this thread holds this semaphore already,
@@ -172,7 +208,7 @@ class SemaphoreGuard(Guard, kind="permit"):
                 raise outer.lost_error()
             return self.fn(*args, **kwargs)
         request = task.request if task is not None and ours else None
-        call = _Call(task, request, app, task_name, name, limit, config)
+        call = _Call(task, request, app, task_name, name, limit, config, share)
         mark = self._run_mark(call)
         if mark is not None and request is not None and (other := mark.claim(request)):
             return self._duplicate(call, other)
@@ -234,7 +270,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         got: tuple[FairSemaphore, Permit | None, float | None]
         try:
             if request is None or request.called_directly or request.is_eager:
-                sem = self.semaphore(call.app, call.name, call.config, call.limit)
+                sem = self.semaphore(call.app, call.name, call.config, call.limit, call.share)
                 pid = permit_id_of(request) if request is not None and request.id else None
                 got = sem, self._acquire_blocking(sem, pid or uuid.uuid4().hex, call), None
             else:
@@ -260,7 +296,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         what = f"a permit of {name!r} (limit {call.limit})"
         ask = Contention(task, request, name, what, self.max_wait_for(config.max_wait), config)
         try:  # building a cluster client already talks to the cluster
-            sem = self.semaphore(task.app, name, config, call.limit)
+            sem = self.semaphore(task.app, name, config, call.limit, call.share)
         except BackendError as exc:
             ask.retry_after_error(exc, started=started)
         standby = wire.take_standby(request)
@@ -414,7 +450,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         """End a run that another run of its key (``other``) makes a duplicate."""
         assert call.task is not None
         assert call.request is not None
-        sem = self.semaphore(call.app, call.name, call.config, call.limit)
+        sem = self.semaphore(call.app, call.name, call.config, call.limit, call.share)
         run_mark.end_duplicate(call.task, call.request, sem, other, raise_it=self.dedupe == "raise")
 
 
