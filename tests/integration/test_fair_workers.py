@@ -13,7 +13,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redsem import FairSemaphore, Permit, get_client
+from celery_redsem import FairSemaphore, KeyFunctionError, Permit, get_client
 from tests.integration.apps.fair_tasks import make_fair_app
 from tests.integration.conftest import WorkerProcess, close_app, running_workers
 from tests.integration.test_backlog import _quick_redelivery
@@ -102,6 +102,14 @@ def test_accounts_share_by_weight_and_a_late_one_is_served_at_once(
     assert window.count("c") == 4, order
     assert window.count("b") > window.count("a") >= 4, order
     assert max(i for i, account in enumerate(order) if account == "c") < 20, order
+
+
+def test_a_failing_fair_by_fails_the_task_visibly(app: Celery, worker: WorkerProcess) -> None:
+    result = app.tasks["f.bad_group"].delay("nobody")
+    with pytest.raises(KeyFunctionError, match="fair_by function .* of task f.bad_group raised"):
+        result.get(timeout=30)
+    assert result.state == "FAILURE"
+    assert app.tasks["f.bad_group"].delay("x").get(timeout=30) == "x"
 
 
 def test_no_account_holds_more_than_its_group_limit(

@@ -78,4 +78,9 @@ def make_fair_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     def capped(self: Any, key: str, account: str, seconds: float = 0.05) -> str:
         return body(key, account, self.request.id, seconds, False)
 
+    @app.task(shared=False, name="f.bad_group")
+    @with_semaphore(limit=2, key="bad-group", fair_by=lambda account: {"x": 1}[account])
+    def bad_group(account: str) -> str:
+        return account
+
     return app
