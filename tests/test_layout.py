@@ -226,6 +226,9 @@ def test_with_semaphore_takes_exactly_the_guard_options_and_with_lock_passes_the
         "lost_lease_policy": None,
         "on_busy": "skip",
         "dedupe": True,
+        "fair_by": None,
+        "weight": 1,
+        "group_limit": None,
     }
 
 
