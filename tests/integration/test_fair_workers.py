@@ -106,7 +106,7 @@ def test_accounts_share_by_weight_and_a_late_one_is_served_at_once(
 
 def test_a_failing_fair_by_fails_the_task_visibly(app: Celery, worker: WorkerProcess) -> None:
     result = app.tasks["f.bad_group"].delay("nobody")
-    with pytest.raises(KeyFunctionError, match="fair_by function .* of task f.bad_group raised"):
+    with pytest.raises(KeyFunctionError, match=r"fair_by function .* of task f\.bad_group raised"):
         result.get(timeout=30)
     assert result.state == "FAILURE"
     assert app.tasks["f.bad_group"].delay("x").get(timeout=30) == "x"
