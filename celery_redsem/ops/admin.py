@@ -23,13 +23,14 @@ from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.core.state import read_state
+from celery_redsem.core.state import GroupInfo, read_groups, read_state
 from celery_redsem.core.validation import validate_name, validate_prefix
 
 __all__ = [
     "ForceRelease",
     "force_release",
     "glob_escape",
+    "groups_of",
     "iter_names",
     "purge",
     "rate_states",
@@ -70,8 +71,9 @@ def _scan_names(
 ) -> Iterator[tuple[str, str, bool]]:
     """``(name, key, fixed)`` for each key of a semaphore whose name matches ``pattern``: its
     ``holders`` key only, or (``every_key``) also its other keys, ``fixed`` for all but the
-    wake-up lists. The name ends at the first ``}`` (names have none), and a key counts only if
-    it is one :class:`SemaphoreKeys` spells for that name."""
+    wake-up lists and a grouped semaphore's keys per group. The name ends at the first ``}``
+    (names have none), and a key counts only if it is one :class:`SemaphoreKeys` spells for
+    that name."""
     prefix = validate_prefix(prefix)
     if "{" in pattern or "}" in pattern:
         raise ConfigurationError(f"pattern {pattern!r} must not contain '{{' or '}}'")
@@ -84,7 +86,7 @@ def _scan_names(
         keys = SemaphoreKeys(prefix, name)
         if key == keys.holders or (every_key and key in keys.all):
             yield name, key, True
-        elif every_key and key.startswith(keys.wake_prefix):
+        elif every_key and (key.startswith(keys.wake_prefix) or keys.is_group_key(key)):
             yield name, key, False
 
 
@@ -146,6 +148,14 @@ def rate_states(
     return [read_rate_state(client, name, prefix=prefix) for name in sorted(names)]
 
 
+def groups_of(
+    client: RedisClient, found: list[SemaphoreState], *, prefix: str = DEFAULT_PREFIX
+) -> dict[str, list[GroupInfo]]:
+    """The groups of each grouped semaphore of ``found`` (holders, waiting, weight, share
+    served; one read each), by name; an ungrouped semaphore has none."""
+    return {s.name: read_groups(client, s.name, prefix=prefix) for s in found}
+
+
 def _log_skip(name: str, exc: Exception) -> None:
     logger.warning("skipped semaphore %r: %s", name, exc)
 
@@ -183,12 +193,17 @@ def force_release(
     """
     before = read_state(client, validate_name(name), prefix=prefix)
     holder = next((h for h in before.holders if h.permit_id == permit_id), None)
+    try:  # of a grouped semaphore: its release script keeps the groups' books
+        grouped = bool(client.hexists(SemaphoreKeys(prefix, name).fair, permit_id))
+    except REDIS_ERRORS as exc:
+        raise BackendError(f"Redis failed while reading {name!r}: {exc}", name=name) from exc
     sem = FairSemaphore(
         client,
         name,
         before.limit or 1,
         prefix=prefix,
         idle_ttl=DEFAULT_IDLE_TTL if idle_ttl is None else idle_ttl,
+        grouped=grouped,
     )
     freed = sem.release(permit_id)
     if not freed:

@@ -32,12 +32,13 @@ from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.redaction import redact_url, scrub
-from celery_redsem.core.state import read_state
+from celery_redsem.core.state import GroupInfo, read_state
 from celery_redsem.core.validation import validate_prefix
 from celery_redsem.ops.admin import (
     OnSkip,
     force_release,
     glob_escape,
+    groups_of,
     purge,
     rate_states,
     state_to_dict,
@@ -153,6 +154,16 @@ def _waiter_lines(state: SemaphoreState, most: int | None = None) -> list[str]:
     if len(state.waiters) > len(shown):
         lines.append(f"  ... and {len(state.waiters) - len(shown)} more waiting (--waiters)")
     return lines
+
+
+def _group_lines(groups: list[GroupInfo]) -> list[str]:
+    """A line per group of a grouped semaphore (none for an ungrouped one)."""
+    return [
+        f"  group   {_shown(g.group)}  holders {g.holders}  waiting {g.waiting}  "
+        f"weight {'?' if g.weight is None else f'{g.weight:g}'}  served {g.served}  "
+        f"share {g.share:g}{'  at its group limit' if g.at_limit else ''}"
+        for g in groups
+    ]
 
 
 def _ttls(client: RedisClient, keys: list[str]) -> dict[str, int]:
@@ -276,6 +287,7 @@ def status(
         )
     )
     limiters = _run(lambda: rate_states(target.client, prefix=target.prefix, pattern=glob))
+    groups = _run(lambda: groups_of(target.client, found, prefix=target.prefix))
     if as_json:
         _print_json(
             {
@@ -283,7 +295,10 @@ def status(
                 "name": name,
                 "pattern": glob,
                 "total": total,
-                "semaphores": [state_to_dict(s) for s in found],
+                "semaphores": [
+                    {**state_to_dict(s), "groups": [asdict(g) for g in groups[s.name]]}
+                    for s in found
+                ],
                 "rate_limiters": [asdict(r) for r in limiters],
                 "skipped": skipped,
             }
@@ -297,7 +312,8 @@ def status(
         return
     for state in found:
         click.echo(_summary_line(ctx, state))
-        for line in _holder_lines(state) + _waiter_lines(state, max_waiters):
+        waiting = _group_lines(groups[state.name]) or _waiter_lines(state, max_waiters)
+        for line in _holder_lines(state) + waiting:
             click.echo(line)
     more = total - len(found) - len(skipped)
     if more > 0:
@@ -313,6 +329,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     burst, next free time, booked slots). Exits with 1 if neither has keys in Redis."""
     target = _target(ctx)
     state = _run(lambda: read_state(target.client, name, prefix=target.prefix))
+    groups = _run(lambda: groups_of(target.client, [state], prefix=target.prefix))[name]
     limiter = _run(lambda: read_rate_state(target.client, name, prefix=target.prefix))
     exists = state.limit is not None or bool(state.holders or state.waiters)
     limited = limiter.rate is not None or limiter.remembered > 0
@@ -323,6 +340,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
         _print_json(
             {
                 **state_to_dict(state),
+                "groups": [asdict(g) for g in groups],
                 "exists": exists or limited,
                 "key_ttls_ms": {**ttls, **rate_ttls},
                 "rate_limiter": asdict(limiter) if limited else None,
@@ -335,6 +353,9 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
         click.echo("\n".join(_holder_lines(state)) or "    none")
         click.echo(f"  waiters ({len(state.waiters)}, in the order they will be served)")
         click.echo("\n".join(_waiter_lines(state)) or "    none")
+        if groups:
+            click.echo(f"  groups ({len(groups)}, waiting ones in the order they are served)")
+            click.echo("\n".join(_group_lines(groups)))
     if limited and not as_json:
         click.echo(_rate_line(ctx, limiter))
         _echo_ttls(rate_ttls)
