@@ -99,7 +99,7 @@ elseif redis.call('ZCARD', f.fh) > limit then
 end
 local capped = group_limit > 0 and group_held >= group_limit
 f.park(group, capped, vt)
-f.head(group) -- (clears dead heads; an emptied group leaves the queues)
+local head = f.head(group) -- (clears dead heads; an emptied group leaves the queues)
 local tag = redis.call('ZSCORE', f.fq, group) or redis.call('ZSCORE', f.fcap, group)
 local queued = tag ~= false
 if not queued then -- the group starts waiting now: no earlier than the virtual time
@@ -110,8 +110,12 @@ tag = tonumber(tag)
 -- May the caller have a permit now?
 local eligible = false
 if free > 0 and not capped then
-  local other, other_ticket = f.present(group, id)
-  if not other or (in_line and other_ticket > tonumber(in_line)) then
+  local first = in_line and head == id -- (then no one of its group comes before it)
+  local other, other_ticket
+  if not first then
+    other, other_ticket = f.present(group, id)
+  end
+  if first or not other or (in_line and other_ticket > tonumber(in_line)) then
     local ahead, i, reached = 0, 0, false
     while ahead < free and f.budget > 0 and i < f.LOOK do
       local row = redis.call('ZRANGE', f.fq, i, i, 'WITHSCORES')
