@@ -193,10 +193,8 @@ def force_release(
     """
     before = read_state(client, validate_name(name), prefix=prefix)
     holder = next((h for h in before.holders if h.permit_id == permit_id), None)
-    try:  # of a grouped semaphore: its release script keeps the groups' books
-        grouped = bool(client.hexists(SemaphoreKeys(prefix, name).fair, permit_id))
-    except REDIS_ERRORS as exc:
-        raise BackendError(f"Redis failed while reading {name!r}: {exc}", name=name) from exc
+    # A grouped semaphore's release script keeps the groups' books.
+    grouped = bool(read_groups(client, name, prefix=prefix))
     sem = FairSemaphore(
         client,
         name,
