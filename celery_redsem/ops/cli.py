@@ -269,7 +269,8 @@ def status(
     """The semaphore NAME, those whose name matches --pattern, or (neither) every semaphore.
 
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
-    order they will be served, and the last fencing token granted; and, listed first, each rate
+    order they will be served (a grouped semaphore: its groups, with their holders, waiting,
+    weight and share served), and the last fencing token granted; and, listed first, each rate
     limiter of the selection: its rate, burst, next free time and booked slots. Found with
     SCAN, never KEYS.
     A semaphore that cannot be read is skipped with a warning; the others are listed.
