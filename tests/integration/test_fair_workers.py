@@ -133,9 +133,10 @@ def test_a_killed_workers_permits_come_back_and_its_parked_tasks_keep_their_plac
     app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str
 ) -> None:
     # A worker runs two tasks of account a (holding both permits, lease 2 s) and parks three
-    # of account b; it is SIGKILLed. a's permits come back within a lease; b's messages are
-    # delivered again to a second worker, and b's places are kept: a task b sends after the
-    # kill (asking first, on the second worker) starts after all three.
+    # of account b; it is SIGKILLed. a's permits come back within a lease. The test then
+    # holds both permits (asking outside the fair line), so b's tasks, delivered again to a
+    # second worker, wait: each asks again under the ticket its place had, and runs once the
+    # test lets go.
     queue = f"fair-kill-{key}"
     conf = {
         "broker_transport_options": _quick_redelivery(module_prefix),
@@ -144,18 +145,15 @@ def test_a_killed_workers_permits_come_back_and_its_parked_tasks_keep_their_plac
     }
     call = app.tasks["f.call"]
     sem = grouped(app, f"fair:{key}", 2)
-
-    def started() -> list[str]:
-        client = redis.Redis.from_url(app.conf.broker_url)
-        try:
-            log = client.lrange(f"{app.conf.redsem_key_prefix}:f:log:{key}", 0, -1)
-        finally:
-            client.close()
-        return [entry.decode().split()[2] for entry in log]
+    client = get_client(app)
+    line, leases = sem.keys.base + ":fw:b", sem.keys.base + ":fwx:b"
 
     def of(group: str) -> tuple[int, int]:
         info = {g.group: g for g in sem.groups()}.get(group)
         return (info.holders, info.waiting) if info else (0, 0)
+
+    def places(key: str) -> dict[str, float]:
+        return {k.decode(): v for k, v in client.zrange(key, 0, -1, withscores=True)}
 
     with running_workers(
         redis_url,
@@ -169,12 +167,17 @@ def test_a_killed_workers_permits_come_back_and_its_parked_tasks_keep_their_plac
         **conf,
     ) as (victim,):
         held = [call.apply_async((key, "a"), {"hold": True}, queue=queue) for _ in range(2)]
-        wait_until(lambda: len(started()) == 2, 30, what="a's two tasks running")
+        wait_until(lambda: of("a")[0] == 2, 30, what="a's two tasks holding")
         parked = [call.apply_async((key, "b"), queue=queue) for _ in range(3)]
         wait_until(lambda: of("b")[1] == 3, 30, what="b's three tasks parked")
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(10)
+    tickets, asked = places(line), places(leases)
+    assert sorted(tickets) == sorted(r.id for r in parked)
     wait_until(lambda: of("a")[0] == 0, 2.0 + 1.5, what="a's permits back within a lease")
+    outside = FairSemaphore(client, sem.name, 2, prefix=sem.keys.prefix, lease=30)
+    blockers = [outside.attempt(f"blocker-{i}") for i in range(2)]
+    assert all(isinstance(p, Permit) for p in blockers)
     with running_workers(
         redis_url,
         module_prefix,
@@ -186,8 +189,13 @@ def test_a_killed_workers_permits_come_back_and_its_parked_tasks_keep_their_plac
         app_module=APP_MODULE,
         **conf,
     ):
-        late = call.apply_async((key, "b"), queue=queue)
-        assert [r.get(timeout=60) for r in [*parked, late]] == ["b"] * 4
-    ids = started()
-    assert sorted(ids[:2]) == sorted(r.id for r in held)
-    assert ids[-1] == late.id, "the late task of b went ahead of b's redelivered ones"
+        wait_until(
+            lambda: all(places(leases).get(i, 0) > asked[i] for i in tickets),
+            40,
+            what="b's tasks delivered again and asking",
+        )
+        assert places(line) == tickets, "b's tasks lost their places"
+        for permit in blockers:
+            assert outside.release(permit)
+        assert [r.get(timeout=60) for r in parked] == ["b"] * 3
+    assert not any(r.ready() for r in held)  # lost with the killed worker's children
