@@ -40,10 +40,12 @@ if _TYPE_CHECKING:
     from celery_redsem.integration.dedupe.sender import install_dedupe
     from celery_redsem.integration.guards.decorators import (
         current_permit,
+        current_rate_limiter,
         with_lock,
         with_rate_limit,
         with_semaphore,
     )
+    from celery_redsem.integration.guards.rate_guard import pause_and_retry
     from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
     from celery_redsem.integration.settings import reset as reset_config
     from celery_redsem.integration.wire import contention_retries
@@ -58,7 +60,9 @@ _CELERY_NAMES = {
     "get_config": "celery_redsem.integration.settings",
     "contention_retries": "celery_redsem.integration.wire",
     "current_permit": "celery_redsem.integration.guards.decorators",
+    "current_rate_limiter": "celery_redsem.integration.guards.decorators",
     "install_dedupe": "celery_redsem.integration.dedupe.sender",
+    "pause_and_retry": "celery_redsem.integration.guards.rate_guard",
     "reset_config": "celery_redsem.integration.settings",
     "with_lock": "celery_redsem.integration.guards.decorators",
     "with_rate_limit": "celery_redsem.integration.guards.decorators",
@@ -108,9 +112,11 @@ __all__ = [
     "__version__",
     "contention_retries",
     "current_permit",
+    "current_rate_limiter",
     "get_client",
     "get_config",
     "install_dedupe",
+    "pause_and_retry",
     "read_state",
     "refresh_permits",
     "reset_config",

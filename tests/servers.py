@@ -59,6 +59,12 @@ def wait_until(
         time.sleep(interval)
 
 
+def server_us(client: redis.Redis) -> int:
+    """The server's clock (``TIME``) in microseconds."""
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
 @contextmanager
 def embedded_valkey(**config: object) -> Iterator[str]:
     """Start a private Valkey server on a free port and yield its ``redis://`` URL."""

@@ -1,4 +1,5 @@
-"""``celery redsem status`` and ``inspect`` show rate limiters (against a real server)."""
+"""``celery redsem status``, ``inspect``, ``pause`` and ``resume`` on rate limiters (against a
+real server)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,41 @@ def test_inspect_shows_a_rate_limiter(app: Celery, redis_client: redis.Redis, pr
     missing = run(app, "inspect", "api:43", "--json")
     assert missing.exit_code == 1
     assert json.loads(missing.stdout)["rate_limiter"] is None
+
+
+def test_status_shows_windows_units_left_and_pauses(
+    app: Celery, redis_client: redis.Redis, prefix: str
+) -> None:
+    limiter = RateLimiter(redis_client, "llm:7", ["1/m", "100/d"], burst=[5, 100], prefix=prefix)
+    assert limiter.attempt(cost=3)
+    assert (
+        run(app, "pause", "llm:7", "120").output == "Rate limiter llm:7 is paused for 120.000s.\n"
+    )
+    assert run(app, "pause", "idle:1", "60").exit_code == 0  # paused before its first start
+    out = run(app, "status").output
+    assert re.search(
+        r"llm:7  rate limiter 0\.0166667/s  burst 5  \+ 0\.00115741/s burst 100  next free in "
+        r"0\.000s  booked 0  units left 2/97  PAUSED 1[12]\d\.\ds",
+        out,
+    ), out
+    assert re.search(
+        r"idle:1  rate limiter \?  burst \?  .* units left \?  PAUSED [56]\d\.\ds", out
+    )
+    data = json.loads(run(app, "status", "--pattern", "llm:*", "--json").output)
+    (state,) = data["rate_limiters"]
+    assert 110 < state["paused"] <= 120
+    assert [w["remaining"] for w in state["windows"]] == [2, 97]
+    assert not limiter.attempt()
+    inspected = run(app, "inspect", "llm:7").output
+    assert f"key     {prefix}:{{llm:7}}:pause  (expires in 1" in inspected
+    assert run(app, "resume", "llm:7").output == "Rate limiter llm:7 is not paused.\n"
+    assert "PAUSED" not in run(app, "status", "llm:7").output
+    assert limiter.attempt()
+
+
+def test_pause_takes_a_number_of_seconds(app: Celery) -> None:
+    for bad in ("0", "-1", "soon", "1e12"):
+        result = run(app, "pause", "x", bad)
+        assert result.exit_code == 2, (bad, result.output)
+        assert "SECONDS" in result.output
+    assert run(app, "pause", "a{b}", "1").exit_code == 1  # not a usable name: said so

@@ -14,18 +14,26 @@ from celery_redsem import BackendError, ConfigurationError, RateLimiter
 from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.rate_limit import parse_rate, read_rate_state
 from celery_redsem.core.scripts import GCRA, run_script
-from tests.servers import wait_until
+from tests.servers import server_us, wait_until
 
 
 @pytest.mark.parametrize(
     ("rate", "per_second"),
-    [("10/s", 10.0), ("120/m", 2.0), ("3600/h", 1.0), ("5", 5.0), (" 2 / s ", 2.0), (0.5, 0.5)],
+    [
+        ("10/s", 10.0),
+        ("120/m", 2.0),
+        ("3600/h", 1.0),
+        ("86400/d", 1.0),
+        ("5", 5.0),
+        (" 2 / s ", 2.0),
+        (0.5, 0.5),
+    ],
 )
 def test_rates_in_celerys_notation(rate: object, per_second: float) -> None:
     assert parse_rate(rate) == pytest.approx(per_second)
 
 
-@pytest.mark.parametrize("rate", ["0/s", "-1/s", "10/d", "ten/s", "", True, None, float("nan"), 0])
+@pytest.mark.parametrize("rate", ["0/s", "-1/s", "10/w", "ten/s", "", True, None, float("nan"), 0])
 def test_a_bad_rate_is_a_configuration_error(rate: object) -> None:
     with pytest.raises(ConfigurationError, match="rate must be"):
         parse_rate(rate)
@@ -166,16 +174,23 @@ def test_state_shows_rate_burst_and_next_free_time(redis_client: redis.Redis, pr
     assert state.tat_us > state.now_us
 
 
-def test_the_script_refuses_settings_out_of_bounds(redis_client: redis.Redis, prefix: str) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        [0, 0, 0, "", 1, 1, 0, 1],  # interval 0
+        [0, 0, 0, "", 2, 1, 1000, 1],  # a cost above the burst
+        [0, 0, 0, "", 1, 2, 1000, 1],  # a window missing
+        [0, 0, 0, "", 1, 1, 10**9, 10**9],  # interval x burst beyond a year
+        [0, 4, 0, "", 1, 1, 1000, 1],  # no such mode
+    ],
+)
+def test_the_script_refuses_settings_out_of_bounds(
+    redis_client: redis.Redis, prefix: str, args: list[object]
+) -> None:
     keys = SemaphoreKeys(prefix, "bad")
     with pytest.raises(BackendError, match="out of bounds"):
-        run_script(GCRA, redis_client, [keys.rate, keys.rate_line], [0, 1, 0, 0, 0, ""], "bad")
+        run_script(GCRA, redis_client, [keys.rate, keys.rate_line], args, "bad")
     assert not redis_client.exists(keys.rate, keys.rate_line)
-
-
-def _server_us(client: redis.Redis) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1_000_000 + int(micros)
 
 
 def test_a_refused_attempt_is_told_exactly_when_it_may_run(
@@ -186,9 +201,9 @@ def test_a_refused_attempt_is_told_exactly_when_it_may_run(
     limiter = RateLimiter(redis_client, "r", "4/s", burst=2, prefix=prefix)
     assert limiter.attempt()
     assert limiter.attempt()
-    before = _server_us(redis_client)
+    before = server_us(redis_client)
     refused = limiter.attempt()
-    after = _server_us(redis_client)
+    after = server_us(redis_client)
     free_at = limiter.state().tat_us
     assert free_at is not None
     free_at -= 250_000  # burst 2: the next slot is one interval before the TAT

@@ -9,15 +9,16 @@ C`` processes, once per variant:
 * ``celery``: Celery's ``@app.task(rate_limit=f"{R}/s")``, the only rate limit Celery has: per
   worker and per task type, so two workers let through about ``2 x R`` a second, whatever the key.
 
-Each body start is stamped with the Redis server's clock. Printed per variant and key: the
-most starts in any one-second window (the target for ours: at most ``R`` + burst 1 per key;
-Celery's figure for all keys together shows its ``workers x rate``), the time from the key's
-first send to its last start against its ideal ``(N - 1) / R`` (targets: at most 1.15 x for
-the hot key, 1.3 x for the cold one), the largest gap between a task's place in the send order
-and in the start order (first sent, first served), contention retries through the broker
-(trips) and failed tasks. RabbitMQ (``amqp``) is skipped with a printed line when nothing
-answers at ``--amqp-url``. The workers' app is :mod:`benchmarks.rate.app` (each worker loads
-:mod:`benchmarks.rate.worker`, which builds it from the environment).
+Each body start is stamped with the Redis server's clock. Printed per variant and key: the most
+starts in any one-second window (the target for ours: at most ``R`` + burst 1 per key; Celery's
+figure for all keys together shows its ``workers x rate``), the time from the key's first send
+to its last start against its ideal ``(N - 1) / R`` (targets: at most 1.15 x for the hot key,
+1.3 x for the cold one), the largest gap between a task's place in the send order and in the
+start order (first sent, first served), contention retries through the broker (trips) and failed
+tasks. Then the budget scenarios (a cost per start, two windows: see
+:mod:`benchmarks.rate.budgets`; ``--budgets``). RabbitMQ (``amqp``) is skipped with a printed
+line when nothing answers at ``--amqp-url``. The workers' app is :mod:`benchmarks.rate.app`
+(each worker loads :mod:`benchmarks.rate.worker`, which builds it from the environment).
 """
 
 from __future__ import annotations
@@ -28,15 +29,24 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
+from celery import Celery
 
 from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, drop_queue, host_line
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
 from benchmarks.rate.app import make_app, worker_environ
+from benchmarks.rate.budgets import (
+    PACE_TARGET,
+    SCENARIOS,
+    budget_lines,
+    run_budget,
+    wait_for_workers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ours", "celery")
@@ -96,19 +106,39 @@ def _workers(broker: Broker, url: str, prefix: str, rate: float, concurrency: in
     ]
 
 
-def run_variant(
-    broker: Broker, url: str, variant: str, args: argparse.Namespace
-) -> tuple[list[KeyFigures], int]:
-    """One variant on fresh workers: the figures of each key and of all keys, and failures."""
+@contextlib.contextmanager
+def _fresh_workers(
+    broker: Broker, url: str, args: argparse.Namespace
+) -> Iterator[tuple[Celery, redis.Redis, str]]:
+    """Two fresh workers under a new prefix, answering: the app, a client and the prefix."""
     prefix = unique_prefix()
     bench = make_app(url, broker.url, prefix, args.rate)
     client = redis.Redis.from_url(url)
     workers = _workers(broker, url, prefix, args.rate, args.concurrency)
     try:
-        deadline = time.monotonic() + 60
-        while len(bench.control.ping(timeout=0.5) or []) < 2:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the two workers did not answer a ping within 60 s")
+        wait_for_workers(bench)
+        yield bench, client, prefix
+    finally:
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait(10)
+        if not broker.is_redis:
+            drop_queue(bench, prefix)
+        delete_prefix(client, prefix)
+        client.close()
+        bench.close()
+
+
+def run_variant(
+    broker: Broker, url: str, variant: str, args: argparse.Namespace
+) -> tuple[list[KeyFigures], int]:
+    """One variant on fresh workers: the figures of each key and of all keys, and failures."""
+    with _fresh_workers(broker, url, args) as (bench, client, prefix):
         task = bench.tasks[f"bench.{variant}"]
         keys = {"hot": args.hot, "cold": args.cold}
         sent_at: dict[str, float] = {}
@@ -131,20 +161,19 @@ def run_variant(
         every = [(t, 0, c) for key in keys for t, _, c in rows[key]]
         figures.append(_figures("all", every, sent_at["hot"], args.rate))
         return figures, failed
-    finally:
-        for worker in workers:
-            worker.terminate()
-        for worker in workers:
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait(10)
-        if not broker.is_redis:
-            drop_queue(bench, prefix)
-        delete_prefix(client, prefix)
-        client.close()
-        bench.close()
+
+
+def run_budgets(broker: Broker, url: str, args: argparse.Namespace) -> bool:
+    """The budget scenarios on fresh workers: print their figures; True if all were met."""
+    met = True
+    with _fresh_workers(broker, url, args) as (bench, client, prefix):
+        for name in args.budgets.split(","):
+            figures = run_budget(bench, client, prefix, name, timeout=120)
+            for line in budget_lines(broker.name, figures):
+                print(line)
+            met = met and figures.held and figures.failed == 0
+            met = met and figures.took <= PACE_TARGET * figures.ideal
+    return met
 
 
 def _table(broker: Broker, results: dict[str, tuple[list[KeyFigures], int]]) -> None:
@@ -210,10 +239,20 @@ def main() -> int:
     parser.add_argument("--brokers", default="redis,amqp", metavar="redis,amqp")
     parser.add_argument("--amqp-url", default=AMQP_URL, help="RabbitMQ (default: %(default)s)")
     parser.add_argument("--variants", default=",".join(VARIANTS), metavar="ours,celery")
+    parser.add_argument(
+        "--budgets",
+        default=",".join(SCENARIOS),
+        metavar="cost,windows",
+        help="budget scenarios (issue 41) to run after the variants; 'none' for none",
+    )
     args = parser.parse_args()
     variants = args.variants.split(",")
     if set(variants) - set(VARIANTS) or "ours" not in variants:
         parser.error("--variants takes ours (always) and celery")
+    if args.budgets == "none":
+        args.budgets = ""
+    if set(filter(None, args.budgets.split(","))) - set(SCENARIOS):
+        parser.error(f"--budgets takes {', '.join(SCENARIOS)} or none")
     with contextlib.suppress(AttributeError):
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     met = True
@@ -237,6 +276,9 @@ def main() -> int:
             results = {v: run_variant(broker, server.url, v, args) for v in variants}
             _table(broker, results)
             met = _verdicts(results, args) and met
+            if args.budgets:
+                print(f"budgets: {args.budgets}, two fresh workers -c {args.concurrency}")
+                met = run_budgets(broker, server.url, args) and met
     print(f"\nsummary: {'every target MET' if met else 'a target MISSED'}")
     return 0  # a measurement, not a test: exit 0 whether or not a target is met
 

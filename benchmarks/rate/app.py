@@ -1,10 +1,12 @@
-"""The rate benchmark's Celery app: both variants of the task, each start logged on the Redis
-server's clock. A worker builds its own from the environment the benchmark gives it, in
-:func:`worker_app` (see :mod:`benchmarks.rate.worker`); importing this module builds nothing.
+"""The rate benchmark's Celery app: both variants of the task and the budget scenarios' tasks (a
+cost per start, two windows), each start logged on the Redis server's clock. A worker builds its
+own from the environment the benchmark gives it, in :func:`worker_app` (see
+:mod:`benchmarks.rate.worker`); importing this module builds nothing.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +15,12 @@ import redis
 from celery import Celery
 
 from celery_redsem import contention_retries, with_rate_limit
+
+#: The budget scenarios' limits: ``bench.cost`` takes ``units`` (its argument) of COST_RATE a
+#: second with a burst of COST_BURST; ``bench.windows`` one start of each of WINDOWS (bursts
+#: 1 and the minute's count).
+COST_RATE, COST_BURST = 200.0, 20
+WINDOWS = ["40/s", "300/m"]
 
 ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_RATE = (
     "REDSEM_BENCH_APP_URL",
@@ -53,6 +61,18 @@ def make_app(url: str, broker_url: str, prefix: str, rate: float) -> Celery:
     @with_rate_limit(rate, key=lambda key: f"bench:{key}")
     def ours(self: Any, key: str, n: int) -> None:
         stamp("ours", key, n, self.request)
+
+    @app.task(shared=False, bind=True, name="bench.cost", max_retries=0)
+    @with_rate_limit(
+        COST_RATE, key=lambda key: f"cost:{key}", burst=COST_BURST, cost=lambda units: units
+    )
+    def cost(self: Any, key: str, n: int, units: int) -> None:
+        stamp("cost", key, n, self.request)
+
+    @app.task(shared=False, bind=True, name="bench.windows", max_retries=0)
+    @with_rate_limit(WINDOWS, key=lambda key: f"windows:{key}", max_wait=math.inf)
+    def windows(self: Any, key: str, n: int) -> None:
+        stamp("windows", key, n, self.request)
 
     @app.task(shared=False, bind=True, name="bench.celery", max_retries=0, rate_limit=f"{rate}/s")
     def celerys(self: Any, key: str, n: int) -> None:

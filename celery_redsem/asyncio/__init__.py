@@ -1,4 +1,5 @@
-"""The semaphore and the lock for asyncio code (``redis.asyncio`` clients), without Celery.
+"""The semaphore, the lock and the rate limiter for asyncio code (``redis.asyncio``
+clients), without Celery.
 
 Same scripts, keys and semantics as :class:`celery_redsem.FairSemaphore` and
 :class:`celery_redsem.Lock`: sync and async callers of one name share its limit, its FIFO
@@ -14,6 +15,7 @@ line, its wake-ups and its fencing tokens::
 from __future__ import annotations
 
 from celery_redsem.asyncio.client import AsyncRedisClient
+from celery_redsem.asyncio.rate_limit import RateLimiter
 from celery_redsem.asyncio.semaphore import FairSemaphore, Lock
 
-__all__ = ["AsyncRedisClient", "FairSemaphore", "Lock"]
+__all__ = ["AsyncRedisClient", "FairSemaphore", "Lock", "RateLimiter"]

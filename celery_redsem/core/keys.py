@@ -90,6 +90,11 @@ class SemaphoreKeys:
     rate_line = _Key(
         "rate:line", "Sorted set of the rate limiter: permit id -> its slot (server us)."
     )
+    pause = _Key(
+        "pause",
+        """Hash: ``until`` when (server ms) the rate limiter of this name admits nobody; expires
+        then (``pause.lua``).""",
+    )
 
     def wake(self, permit_id: str) -> str:
         """The list a blocked waiter pops to be told that a permit may be free."""
@@ -124,9 +129,10 @@ class SemaphoreKeys:
         return f"{prefix}:{{{name_pattern}}}:holders"
 
     @classmethod
-    def rate_scan_pattern(cls, prefix: str, name_pattern: str = "*") -> str:
-        """A SCAN pattern matching the ``rate`` key of every rate limiter whose name matches."""
-        return f"{prefix}:{{{name_pattern}}}:rate"
+    def rate_scan_pattern(cls, prefix: str, name_pattern: str = "*", suffix: str = "rate") -> str:
+        """A SCAN pattern matching the ``rate`` key (or the key ``suffix``, such as ``pause``)
+        of every rate limiter whose name matches."""
+        return f"{prefix}:{{{name_pattern}}}:{suffix}"
 
     @classmethod
     def name_from_key(cls, prefix: str, key: str) -> str | None:

@@ -25,6 +25,7 @@ from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 __all__ = [
     "ACQUIRE",
     "DEDUPE",
+    "PAUSE",
     "REFRESH",
     "RELEASE",
     "STATE",
@@ -104,6 +105,7 @@ STATE = LuaScript("state.lua")
 GCRA = LuaScript("gcra.lua")
 RATE_STATE = LuaScript("rate_state.lua")
 DEDUPE = LuaScript("dedupe.lua")
+PAUSE = LuaScript("pause.lua")
 
 
 def as_text(value: bytes | str) -> str:

@@ -137,14 +137,20 @@ def rate_states(
     client: RedisClient, *, prefix: str = DEFAULT_PREFIX, pattern: str = "*"
 ) -> list[RateState]:
     """Snapshots of the rate limiters under ``prefix`` whose name matches, sorted by name (a
-    limiter has a key while its next free time is ahead, so an idle one is not listed)."""
+    limiter has a key while its next free time is ahead, or while it is paused, so an idle one
+    is not listed)."""
     head = SemaphoreKeys(validate_prefix(prefix), "").base[:-1]  # "<prefix>:{"
-    glob = SemaphoreKeys.rate_scan_pattern(glob_escape(prefix), pattern)
     names = set()
-    for key in _scan(client, glob):
-        name = SemaphoreKeys.name_from_key(prefix, key)
-        if key.startswith(head) and name and key == SemaphoreKeys(prefix, name).rate:
-            names.add(name)
+    for suffix in ("rate", "pause"):
+        glob = SemaphoreKeys.rate_scan_pattern(glob_escape(prefix), pattern, suffix)
+        for key in _scan(client, glob):
+            name = SemaphoreKeys.name_from_key(prefix, key)
+            if (
+                key.startswith(head)
+                and name
+                and key == f"{SemaphoreKeys(prefix, name).base}:{suffix}"
+            ):
+                names.add(name)
     return [read_rate_state(client, name, prefix=prefix) for name in sorted(names)]
 
 

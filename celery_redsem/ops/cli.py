@@ -30,10 +30,10 @@ from celery_redsem.core.clients import client_from_url
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, RedsemError
 from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.permits import SemaphoreState
-from celery_redsem.core.rate_limit import RateState, read_rate_state
+from celery_redsem.core.rate_limit import RateState, pause_rate_limiter, read_rate_state
 from celery_redsem.core.redaction import redact_url, scrub
 from celery_redsem.core.state import GroupInfo, read_state
-from celery_redsem.core.validation import validate_prefix
+from celery_redsem.core.validation import MAX_SECONDS, validate_prefix
 from celery_redsem.ops.admin import (
     OnSkip,
     force_release,
@@ -128,10 +128,13 @@ def _summary_line(ctx: click.Context, state: SemaphoreState) -> str:
 
 def _rate_line(ctx: click.Context, state: RateState) -> str:
     rate = "?" if state.rate is None else f"{state.rate:g}/s"
+    more = "".join(f"  + {w.rate:g}/s burst {w.burst}" for w in state.windows[1:])
+    left = "/".join(str(w.remaining) for w in state.windows) or "?"
+    paused = _style(ctx, f"  PAUSED {state.paused:.1f}s", fg="red") if state.paused else ""
     return (
         f"{_style(ctx, _shown(state.name), bold=True)}  rate limiter {rate}  "
-        f"burst {state.burst or '?'}  next free in {state.next_free:.3f}s  "
-        f"booked {state.booked}"
+        f"burst {state.burst or '?'}{more}  next free in {state.next_free:.3f}s  "
+        f"booked {state.booked}  units left {left}{paused}"
     )
 
 
@@ -271,8 +274,9 @@ def status(
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
     order they will be served (a grouped semaphore: its groups, with their holders, waiting,
     weight and share served), and the last fencing token granted; and, listed first, each rate
-    limiter of the selection: its rate, burst, next free time and booked slots. Found with
-    SCAN, never KEYS.
+    limiter of the selection: its windows (rate, burst), next free time, booked slots, the
+    units left of each window's burst, and a pause with its time left. Found with SCAN, never
+    KEYS.
     A semaphore that cannot be read is skipped with a warning; the others are listed.
     """
     glob = _selection(name, pattern)
@@ -333,10 +337,10 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     groups = _run(lambda: groups_of(target.client, [state], prefix=target.prefix))[name]
     limiter = _run(lambda: read_rate_state(target.client, name, prefix=target.prefix))
     exists = state.limit is not None or bool(state.holders or state.waiters)
-    limited = limiter.rate is not None or limiter.remembered > 0
+    limited = limiter.rate is not None or limiter.remembered > 0 or limiter.paused > 0
     keys = SemaphoreKeys(target.prefix, name)
     ttls = _run(lambda: _ttls(target.client, keys.all))
-    rate_ttls = _run(lambda: _ttls(target.client, [keys.rate, keys.rate_line]))
+    rate_ttls = _run(lambda: _ttls(target.client, [keys.rate, keys.rate_line, keys.pause]))
     if as_json:
         _print_json(
             {
@@ -422,6 +426,31 @@ def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> Non
         )
     if result.released == "none":
         ctx.exit(1)
+
+
+@redsem.command()
+@click.argument("name")
+@click.argument("seconds", type=click.FloatRange(min=0, min_open=True, max=MAX_SECONDS))
+@click.pass_context
+def pause(ctx: click.Context, name: str, seconds: float) -> None:
+    """Admit no start of the rate limiter NAME for SECONDS, on any worker (a longer pause
+    already set stays). Its tasks wait, parked or retried (max_retries untouched), and start
+    once it ends or `resume` ends it; none fails. Other names are untouched. (Semaphores are
+    not paused by it.)"""
+    target = _target(ctx)
+    left = _run(lambda: pause_rate_limiter(target.client, name, seconds, prefix=target.prefix))
+    click.echo(f"Rate limiter {_shown(name)} is paused for {left:.3f}s.")
+
+
+@redsem.command()
+@click.argument("name")
+@click.pass_context
+def resume(ctx: click.Context, name: str) -> None:
+    """End a pause of the rate limiter NAME now (its waiting tasks ask again within
+    redsem_retry_backoff_max seconds)."""
+    target = _target(ctx)
+    _run(lambda: pause_rate_limiter(target.client, name, 0, prefix=target.prefix))
+    click.echo(f"Rate limiter {_shown(name)} is not paused.")
 
 
 @redsem.command(name="purge")

@@ -35,6 +35,7 @@ from tests.integration.apps.rate_tasks import (
     STACK_RATE,
     Start,
     add_rate_tasks,
+    make_rate_app,
     make_rate_only_app,
     read_starts,
 )
@@ -47,8 +48,7 @@ TICK_RATE = 20.0  # r.tick's rate, burst 1
 @pytest.fixture(scope="module")
 def app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
     """The test app with the ``r.*`` tasks (the in-process ``worker`` fixture runs it)."""
-    application = make_app(redis_url, module_prefix)
-    add_rate_tasks(application, redis_url, module_prefix)
+    application = make_rate_app(redis_url, module_prefix)
     yield application
     close_app(application)
 
@@ -110,7 +110,7 @@ def test_bad_arguments_fail_at_decoration() -> None:
         return f"a:{account}"
 
     with pytest.raises(ConfigurationError, match=r"rate of .*rate must be"):
-        with_rate_limit("10/d", key="k")(task)
+        with_rate_limit("10/w", key="k")(task)
     with pytest.raises(ConfigurationError, match="burst of"):
         with_rate_limit("10/s", key="k", burst=0)(task)
     with pytest.raises(ConfigurationError, match="asks for 'account'"):
@@ -239,8 +239,7 @@ def prefork_app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
     """The app of the two prefork workers, under a prefix of its own: the in-process worker
     of the tests above (module-scoped) must not take their tasks."""
     prefix = f"{module_prefix}-prefork"
-    application = make_app(redis_url, prefix)
-    add_rate_tasks(application, redis_url, prefix)
+    application = make_rate_app(redis_url, prefix)
     yield application
     close_app(application)
     client = redis.Redis.from_url(redis_url)

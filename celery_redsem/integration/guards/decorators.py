@@ -18,7 +18,7 @@ option raises :class:`~celery_redsem.ConfigurationError` here, at import time.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from celery import Task
@@ -30,13 +30,19 @@ from celery_redsem.core.errors import ConfigurationError
 from celery_redsem.integration.guards.base import GUARD_ATTR, Guard
 from celery_redsem.integration.guards.naming import KeyFunction, LimitFunction
 from celery_redsem.integration.guards.rate_guard import RateGuard
-from celery_redsem.integration.guards.reentry import current_permit
+from celery_redsem.integration.guards.reentry import current_permit, current_rate_limiter
 from celery_redsem.integration.guards.semaphore_guard import GuardOptions, SemaphoreGuard
 
 if TYPE_CHECKING:  # typing.Unpack is new in 3.11; only the type checker needs it
     from typing_extensions import Unpack
 
-__all__ = ["current_permit", "with_lock", "with_rate_limit", "with_semaphore"]
+__all__ = [
+    "current_permit",
+    "current_rate_limiter",
+    "with_lock",
+    "with_rate_limit",
+    "with_semaphore",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -181,24 +187,34 @@ def with_lock(
 
 
 def with_rate_limit(
-    rate: str | float,
+    rate: str | float | Sequence[str | float],
     key: str | KeyFunction,
     *,
-    burst: int = 1,
+    burst: int | Sequence[int] | None = None,
+    cost: int | LimitFunction = 1,
     max_wait: float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """At most ``rate`` starts of the task per key, across all workers (see :doc:`rate-limits`).
+    """At most ``rate`` units per key, across all workers; each start of the task takes
+    ``cost`` units (see :doc:`rate-limits`).
 
     Args:
-        rate: ``"10/s"``, ``"100/m"``, ``"1000/h"`` (Celery's notation) or starts per second.
+        rate: ``"10/s"``, ``"100/m"``, ``"1000/h"``, ``"10000/d"`` (Celery's notation, and
+            days) or units per second; or a list of them (``["10/s", "10000/d"]``): a start
+            is admitted only when every window admits it, and takes its cost from all.
         key: the limiter's name, or a callable of the task's arguments by name returning it
             (the same rules as :func:`with_semaphore`'s ``key``).
-        burst: starts allowed at once after an idle spell (default 1: none beyond the rate's
-            own spacing).
+        burst: units allowed at once after an idle spell: an int (the first window's) or one
+            per window. Default: 1 for the first window (none beyond the rate's own spacing),
+            each later window's own count (a budget spent at the pace of the first).
+        cost: units a start takes (default 1): an int, or a callable of the task's arguments
+            by name returning one (``cost=lambda prompt: estimate_tokens(prompt)``). At most
+            the smallest burst: a larger fixed cost fails here, a larger computed one fails
+            the run at once with :class:`~celery_redsem.KeyFunctionError`. Units known only
+            after the body ran: ``current_rate_limiter().charge(units)``.
         max_wait: a run whose slot is further ahead fails with
             :class:`~celery_redsem.AcquireTimeout` (default: ``redsem_max_wait``).
     """
-    options = {"rate": rate, "key": key, "burst": burst, "max_wait": max_wait}
+    options = {"rate": rate, "key": key, "burst": burst, "cost": cost, "max_wait": max_wait}
     return _GuardDecorator(options, RateGuard)
 
 

@@ -21,7 +21,7 @@ from typing import Any, cast
 from celery import Task
 
 from celery_redsem.core.errors import ConfigurationError, KeyFunctionError
-from celery_redsem.core.validation import LIMIT, validate_name
+from celery_redsem.core.validation import LIMIT, Rule, validate_name
 
 __all__ = [
     "ByName",
@@ -258,15 +258,26 @@ class KeyNaming:
 
 class LimitRule:
     """The limit of one decorated task function: a fixed int, or a limit function of its
-    arguments by name (as a key function), whose answer is checked on every call."""
+    arguments by name (as a key function), whose answer is checked on every call. ``what``
+    and ``rule`` make it another count of the same kind (a rate limit's ``cost``)."""
 
-    def __init__(self, fn: Callable[..., Any], limit: int | LimitFunction, where: str) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        limit: int | LimitFunction,
+        where: str,
+        *,
+        what: str = "limit",
+        rule: Rule = LIMIT,
+    ) -> None:
         self.fixed: int | None = None
+        self.what = what
+        self._rule = rule
         self._by_name: ByName | None = None
         if callable(limit) and not isinstance(limit, int):
-            self._by_name = ByName(fn, limit, "limit", where, "pass an int limit")
+            self._by_name = ByName(fn, limit, what, where, f"pass an int {what}")
         else:
-            self.fixed = LIMIT.check(limit, f"limit of {where}")
+            self.fixed = rule.check(limit, f"{what} of {where}")
 
     def __repr__(self) -> str:
         return repr(self.fixed) if self._by_name is None else describe(self._by_name.func)
@@ -277,7 +288,7 @@ class LimitRule:
             return cast(int, self.fixed)
         limit = self._by_name(task_name, args, kwargs)
         try:
-            checked: int = LIMIT.check(limit, "its limit")
+            checked: int = self._rule.check(limit, f"its {self.what}")
         except ConfigurationError as exc:
             raise self._by_name.error(task_name, f"returned {limit!r:.80}: {exc}") from None
         return checked

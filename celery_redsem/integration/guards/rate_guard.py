@@ -1,4 +1,8 @@
-"""The guard of a ``@with_rate_limit`` task function: at most ``rate`` starts per key.
+"""The guard of a ``@with_rate_limit`` task function: at most ``rate`` units per key, over one
+window or several, each start taking ``cost`` units (an int, or a function of the task's
+arguments by name; one above the smallest burst fails the run at once, visibly). The body
+finds its key's limiter with :func:`~celery_redsem.current_rate_limiter`, to charge units known
+only once it has run.
 
 :class:`RateGuard` names the limiter of a call as a semaphore is named
 (:class:`~celery_redsem.integration.guards.naming.KeyNaming`) and asks it once per run
@@ -35,8 +39,9 @@ main process granted for an inner semaphore is given back when the rate guard re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, NoReturn, cast
 
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
@@ -44,15 +49,22 @@ from celery.app.task import Context
 
 from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.core.rate_limit import RateLimiter, RateResult, parse_rate
+from celery_redsem.core.rate_limit import RateLimiter, RateResult
+from celery_redsem.core.rate_spec import make_windows
 from celery_redsem.core.validation import count_rule
 from celery_redsem.integration.guards.base import Guard, guards_of
 from celery_redsem.integration.guards.contention import Contention
-from celery_redsem.integration.guards.naming import KeyFunction, call_arguments
+from celery_redsem.integration.guards.naming import (
+    KeyFunction,
+    LimitFunction,
+    LimitRule,
+    call_arguments,
+)
+from celery_redsem.integration.guards.reentry import current_rate_limiter, enter_rate, leave_rate
 from celery_redsem.integration.settings import RedsemConfig, get_client, get_config
 from celery_redsem.integration.wire import read_wait
 
-__all__ = ["IN_SLOT", "LEAD", "RateGuard"]
+__all__ = ["IN_SLOT", "LEAD", "RateGuard", "pause_and_retry", "paused_recheck"]
 
 #: Seconds a refused run waits for its slot in the worker slot rather than through the broker.
 IN_SLOT = 0.05
@@ -61,7 +73,6 @@ IN_SLOT = 0.05
 #: child is there to take the slot on time, sleeping the rest in its slot. A child later than
 #: this delays the key's later slots by its lateness (the rate is never exceeded to catch up).
 LEAD = 0.02
-_BURST = count_rule()
 
 
 class RateGuard(Guard, kind="rate"):
@@ -74,27 +85,29 @@ class RateGuard(Guard, kind="rate"):
         fn: Callable[..., Any],
         *,
         key: str | KeyFunction,
-        rate: str | float,
-        burst: int = 1,
+        rate: str | float | Sequence[str | float],
+        burst: int | Sequence[int] | None = None,
+        cost: int | LimitFunction = 1,
         max_wait: float | None = None,
     ) -> None:
         where = getattr(fn, "__qualname__", repr(fn))
-        try:
-            self.rate = parse_rate(rate)
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"rate of {where}: {exc}") from None
-        self.rate_text = rate
-        self.burst: int = _BURST.check(burst, f"burst of {where}")
+        self.windows = make_windows(rate, burst, where=f"rate of {where}")
+        self._rate, self._burst = rate, burst
+        self.rate = self.windows[0].rate
+        self.burst = self.windows[0].burst
+        self.rate_text = " + ".join(w.text for w in self.windows)
+        largest = min(w.burst for w in self.windows)
+        self.cost = LimitRule(fn, cost, where, what="cost", rule=count_rule(maximum=largest))
         super().__init__(fn, key, max_wait)
 
     def __repr__(self) -> str:
         return f"<RateGuard {self.where} rate={self.rate_text!r} key={self.key!r}>"
 
     def limiter(self, app: Celery, name: str, config: RedsemConfig | None = None) -> RateLimiter:
-        """The rate limiter ``name`` with this guard's rate and burst and the app's settings."""
+        """The rate limiter ``name`` with this guard's windows and the app's settings."""
         config = config or get_config(app)
         return RateLimiter(
-            get_client(app), name, self.rate, burst=self.burst, prefix=config.key_prefix
+            get_client(app), name, self._rate, burst=self._burst, prefix=config.key_prefix
         )
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -105,10 +118,11 @@ class RateGuard(Guard, kind="rate"):
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
         limiter = self.limiter(app, self.naming.name_for(task_name, args, kwargs), config)
+        cost = self.cost.limit_for(task_name, args, kwargs)
         request = task.request if task is not None and ours else None
         if request is None or request.called_directly or request.is_eager:
             permit_id = permit_id_of(request) if request is not None and request.id else None
-            if not limiter.wait(config.eager_timeout, permit_id=permit_id):
+            if not limiter.wait(config.eager_timeout, permit_id=permit_id, cost=cost):
                 raise AcquireTimeout(
                     f"task {task_name} (eager or direct call) got no slot of rate limiter "
                     f"{limiter.name!r} ({self.rate_text}) within "
@@ -118,8 +132,12 @@ class RateGuard(Guard, kind="rate"):
                 )
         else:
             assert task is not None
-            self._admit_in_worker(task, request, limiter, config, (args, kwargs))
-        return self.fn(*args, **kwargs)
+            self._admit_in_worker(task, request, limiter, config, (args, kwargs), cost=cost)
+        entered = enter_rate(limiter)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            leave_rate(entered)
 
     def wait_at_dispatch(
         self, app: Celery, task: Task[Any, Any], request: Any, horizon: float
@@ -130,16 +148,21 @@ class RateGuard(Guard, kind="rate"):
         or None if its child should decide (no slot within ``horizon`` or ``max_wait``). The
         child then takes the slot under the same task id."""
         config = get_config(app)
-        name = self.naming.name_for(
-            task.name, call_arguments(task, request.args), request.kwargs or {}
-        )
+        args, kwargs = call_arguments(task, request.args), request.kwargs or {}
+        name = self.naming.name_for(task.name, args, kwargs)
+        try:
+            cost = self.cost.limit_for(task.name, args, kwargs)
+        except ConfigurationError:
+            return None  # its child fails it, visibly
         max_wait = self.max_wait_for(config.max_wait)
         ahead = horizon if max_wait is None else min(horizon, max_wait)
         if ahead <= 0:
             return None
         result = self.limiter(app, name, config).attempt(
-            permit_id_of(request), reserve=True, max_wait=ahead
+            permit_id_of(request), cost=cost, reserve=True, max_wait=ahead
         )
+        if result.paused:  # parked to the pause's end, asking again at least this often
+            return min(result.retry_after, ahead, paused_recheck(config))
         if result.admitted:
             return 0.0
         if not result.booked:
@@ -154,6 +177,8 @@ class RateGuard(Guard, kind="rate"):
         limiter: RateLimiter,
         config: RedsemConfig,
         call: tuple[tuple[Any, ...], dict[str, Any]],
+        *,
+        cost: int,
     ) -> None:
         """Return once admitted; else re-publish the run for its slot (raises ``Retry``)."""
         max_wait = self.max_wait_for(config.max_wait)
@@ -163,15 +188,19 @@ class RateGuard(Guard, kind="rate"):
         in_slot = min(IN_SLOT, config.head_wait)
         started = time.monotonic()
         try:
-            result = limiter.attempt(permit_id, book=True, max_wait=max_wait)
+            result = limiter.attempt(permit_id, cost=cost, book=True, max_wait=max_wait)
             while not result.admitted and result.booked and result.retry_after <= in_slot:
                 time.sleep(result.retry_after)
-                result = limiter.attempt(permit_id, book=True, max_wait=max_wait)
+                result = limiter.attempt(permit_id, cost=cost, book=True, max_wait=max_wait)
         except BackendError as exc:
             ask.retry_after_error(exc, started=started)
         if result.admitted:
             return
-        if not result.booked:
+        if result.paused:
+            # To the pause's end (asking again at least this often: a resume takes effect),
+            # whatever max_wait says: a paused key holds its runs, it fails none.
+            result = replace(result, retry_after=min(result.retry_after, paused_recheck(config)))
+        elif not result.booked:
             raise AcquireTimeout(
                 f"task {task.name}[{request.id}] would wait {result.retry_after:.1f}s for a slot "
                 f"of rate limiter {limiter.name!r} ({self.rate_text}), more than "
@@ -193,7 +222,44 @@ class RateGuard(Guard, kind="rate"):
 
 
 def _booked(limiter: RateLimiter, guard: RateGuard, result: RateResult) -> str:
+    if result.paused:
+        return f"rate limiter {limiter.name!r} ({guard.rate_text}) is paused"
     return (
         f"rate limiter {limiter.name!r} ({guard.rate_text}) booked a slot "
         f"{result.retry_after:.3f}s ahead"
     )
+
+
+def paused_recheck(config: RedsemConfig) -> float:
+    """Seconds a run of a paused key waits at most before it asks again (parked, or through
+    the broker): ``redsem_retry_backoff_max`` (at least 1 s), so a resume takes effect."""
+    return max(1.0, config.retry_backoff_max)
+
+
+def pause_and_retry(seconds: float) -> NoReturn:
+    """From the body of a ``@with_rate_limit`` task in a worker whose call was refused for a
+    while (HTTP 429 with ``Retry-After: 30``): pause the run's key for ``seconds`` on every
+    worker (a longer pause already set stays), and queue this run again for the pause's end,
+    as a contention retry (``max_retries`` untouched). Its next start takes a new unit.
+    Raises Celery's ``Retry``; a ConfigurationError outside such a body, or in an eager or
+    direct call (the key is paused all the same when there is one)."""
+    task = cast("Task[Any, Any] | None", get_current_task())
+    limiter = current_rate_limiter()
+    if task is None or limiter is None:
+        raise ConfigurationError("pause_and_retry() runs in the body of a @with_rate_limit task")
+    request = task.request
+    permit_id = permit_id_of(request)
+    left = limiter.pause(seconds, forget=permit_id)
+    if request.called_directly or request.is_eager:
+        raise ConfigurationError(
+            f"pause_and_retry(): rate limiter {limiter.name!r} is paused for {left:.3f}s, but "
+            "an eager or direct call cannot be queued again",
+            name=limiter.name,
+        )
+    config = get_config(task.app)
+    ask = Contention(task, request, limiter.name, "a paused key", None, config)
+    earlier = read_wait(request)
+    wait = earlier._replace(attempts=earlier.attempts + 1, due_ms=0, offline_ms=0)
+    countdown = min(left, paused_recheck(config))
+    reason = f"the body paused rate limiter {limiter.name!r} for {left:.3f}s"
+    raise ask.publish_retry(countdown, wait, release=None, reason=reason)

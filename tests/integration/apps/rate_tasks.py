@@ -18,7 +18,8 @@ import redis
 from celery import Celery
 
 from celery_redsem import contention_retries, with_rate_limit, with_semaphore
-from tests.integration.apps.tasks import _ENTER, _EXIT, app_settings
+from tests.integration.apps.budget_tasks import add_budget_tasks
+from tests.integration.apps.tasks import _ENTER, _EXIT, app_settings, make_app
 
 #: The stacked tasks: a semaphore of STACK_LIMIT and a rate of STACK_RATE a second with a burst
 #: of STACK_BURST (above the limit, so only the semaphore keeps a burst's runs apart), each body
@@ -44,6 +45,13 @@ def read_starts(client: redis.Redis, prefix: str, key: str) -> list[Start]:
         micros, n, retries, trips, worker = text.split()
         rows.append(Start(int(micros) / 1e6, int(n), int(retries), int(trips), worker))
     return sorted(rows)
+
+
+def make_rate_app(redis_url: str, prefix: str) -> Celery:
+    """The test app (:func:`~tests.integration.apps.tasks.make_app`) with every ``r.*`` task."""
+    app = make_app(redis_url, prefix)
+    add_rate_tasks(app, redis_url, prefix)
+    return app
 
 
 def make_rate_only_app(redis_url: str, prefix: str) -> Celery:
@@ -88,6 +96,7 @@ def add_rate_tasks(app: Celery, redis_url: str, prefix: str, *, stacked: bool = 
 
     if stacked:
         add_stacked_tasks(app, counted)
+        add_budget_tasks(app, log_start, counter, prefix)
 
 
 def add_stacked_tasks(app: Celery, counted: Any) -> None:
