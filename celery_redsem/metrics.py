@@ -13,6 +13,10 @@ by semaphore name: one per account would be one time series per account):
   A run that waits long waits several rounds;
 * ``redsem_skips_total``: runs skipped because their semaphore was busy
   (:func:`record_skip`);
+* ``redsem_coalesced_total{how}``: sends absorbed by the pending run of their key
+  (``dedupe="coalesce"``), by how: ``coalesced`` or ``debounced`` (the task has ``debounce=``),
+  counted where they were absorbed (a sending process that turned metrics on, or a worker's
+  main process for a message that came another way);
 * ``redsem_timeouts_total``: runs that failed with :class:`~celery_redsem.AcquireTimeout`;
 * ``redsem_lost_leases_total``: permits that lost their lease while their task ran;
 * ``redsem_wait_seconds``: histogram of the wait from a run's first ask to its grant, across
@@ -45,6 +49,7 @@ __all__ = [
     "disable_metrics",
     "enable_metrics",
     "metrics_on",
+    "record_coalesced",
     "record_grant",
     "record_grant_at_end",
     "record_park",
@@ -72,6 +77,7 @@ class Metrics(NamedTuple):
     lost_leases: Counter
     wait_seconds: Histogram
     parked: Gauge
+    coalesced: Counter
 
 
 #: Where a run keeps its grants until it ends (see record_grant_at_end), on its request.
@@ -138,6 +144,13 @@ def enable_metrics(registry: CollectorRegistry | None = None) -> Metrics:
                 namespace=ns,
                 registry=None,
                 multiprocess_mode="livesum",
+            ),
+            coalesced=prom.Counter(
+                "coalesced",
+                "Sends absorbed by the pending run of their key, by how.",
+                ("task", "how"),
+                namespace=ns,
+                registry=None,
             ),
         )
         for metric in metrics:
@@ -245,6 +258,13 @@ def record_skip(task_name: str) -> None:
     metrics = _metrics
     if metrics is not None:
         metrics.skips.labels(task_name).inc()
+
+
+def record_coalesced(task_name: str, how: str) -> None:
+    """A send of ``task_name`` was absorbed by a pending run (``how``: coalesced, debounced)."""
+    metrics = _metrics
+    if metrics is not None:
+        metrics.coalesced.labels(task_name, how).inc()
 
 
 def record_timeout(task_name: str) -> None:

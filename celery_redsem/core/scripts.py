@@ -24,6 +24,7 @@ from celery_redsem.core.errors import REDIS_ERRORS, BackendError
 
 __all__ = [
     "ACQUIRE",
+    "COALESCE",
     "DEDUPE",
     "PAUSE",
     "REFRESH",
@@ -106,6 +107,7 @@ GCRA = LuaScript("gcra.lua")
 RATE_STATE = LuaScript("rate_state.lua")
 DEDUPE = LuaScript("dedupe.lua")
 PAUSE = LuaScript("pause.lua")
+COALESCE = LuaScript("coalesce.lua")
 
 
 def as_text(value: bytes | str) -> str:

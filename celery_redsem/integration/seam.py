@@ -22,6 +22,8 @@ kombu ``Hub._pop_ready``                       acks still queued in the event lo
                                                before the worker's connection closes
 kombu Redis ``cycle.maybe_restore_messages``   a dead worker's messages given back, also by a
                                                worker without an event loop
+worker ``Request._payload`` (its embed)        whether a received message is a canvas step
+                                               (coalesce: its canvas goes on from it)
 =============================================  ===============================================
 
 :func:`probe` checks, as a worker starts, that what admission needs is there and behaves as
@@ -52,6 +54,7 @@ __all__ = [
     "in_loop",
     "live_request",
     "live_requests",
+    "message_embed",
     "on_app_finalize",
     "on_task_class",
     "probe",
@@ -114,6 +117,16 @@ def live_request(req: Any) -> bool:
     """Whether ``req`` is still reserved or running in this worker (two set lookups: no copy
     of the worker's sets, which hold every parked task)."""
     return req in worker_state.reserved_requests or req in worker_state.active_requests
+
+
+def message_embed(req: Any) -> dict[str, Any]:
+    """The canvas fields (``callbacks``, ``errbacks``, ``chain``, ``chord``) of a worker
+    request's message body ({} if it has none, or they cannot be read)."""
+    try:
+        embed = req._payload[2]
+    except (AttributeError, IndexError, TypeError):
+        return {}
+    return dict(embed) if isinstance(embed, dict) else {}
 
 
 def live_requests() -> list[Any]:

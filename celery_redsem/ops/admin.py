@@ -20,6 +20,7 @@ from typing import Any
 from celery_redsem.core.client import DEFAULT_IDLE_TTL, RedisClient
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, ConfigurationError, RedsemError
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
+from celery_redsem.core.marks import CoalesceRecord
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.semaphore import FairSemaphore
@@ -28,8 +29,10 @@ from celery_redsem.core.validation import validate_name, validate_prefix
 
 __all__ = [
     "ForceRelease",
+    "coalesce_state",
     "force_release",
     "glob_escape",
+    "group_lines",
     "groups_of",
     "iter_names",
     "purge",
@@ -166,9 +169,40 @@ def _log_skip(name: str, exc: Exception) -> None:
     logger.warning("skipped semaphore %r: %s", name, exc)
 
 
-def state_to_dict(state: SemaphoreState) -> dict[str, Any]:
-    """A JSON-ready dict of a snapshot (times in server milliseconds)."""
+def coalesce_state(
+    client: RedisClient, name: str, *, prefix: str = DEFAULT_PREFIX
+) -> dict[str, Any] | None:
+    """The running and pending runs of ``name`` (``dedupe="coalesce"``; a ``dedupe=True``
+    mark shows as its running run), or None if it has neither."""
+    state = CoalesceRecord(client, name, prefix=prefix).state()
+    if state.running is None and state.pending is None:
+        return None
     return asdict(state)
+
+
+def state_to_dict(state: SemaphoreState, groups: list[GroupInfo] | None = None) -> dict[str, Any]:
+    """A JSON-ready dict of a snapshot (times in server milliseconds), with ``groups`` (a
+    grouped semaphore's, :func:`groups_of`) under ``"groups"`` if given."""
+    found = asdict(state)
+    if groups is not None:
+        found["groups"] = [asdict(g) for g in groups]
+    return found
+
+
+def group_lines(
+    groups: list[GroupInfo], shown: Callable[[str], str], *, heading: bool = False
+) -> list[str]:
+    """A line of text per group of a grouped semaphore (none for an ungrouped one), the group
+    name as ``shown`` prints it; with ``heading``, a line before them."""
+    lines = [
+        f"  group   {shown(g.group)}  holders {g.holders}  waiting {g.waiting}  "
+        f"weight {'?' if g.weight is None else f'{g.weight:g}'}  served {g.served}  "
+        f"share {g.share:g}{'  at its group limit' if g.at_limit else ''}"
+        for g in groups
+    ]
+    if heading and lines:
+        lines.insert(0, f"  groups ({len(groups)}, waiting ones in the order they are served)")
+    return lines
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,14 @@ from celery_redsem.core.keys import SemaphoreKeys
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, pause_rate_limiter, read_rate_state
 from celery_redsem.core.redaction import redact_url, scrub
-from celery_redsem.core.state import GroupInfo, read_state
+from celery_redsem.core.state import read_state
 from celery_redsem.core.validation import MAX_SECONDS, validate_prefix
 from celery_redsem.ops.admin import (
     OnSkip,
+    coalesce_state,
     force_release,
     glob_escape,
+    group_lines,
     groups_of,
     purge,
     rate_states,
@@ -159,14 +161,15 @@ def _waiter_lines(state: SemaphoreState, most: int | None = None) -> list[str]:
     return lines
 
 
-def _group_lines(groups: list[GroupInfo]) -> list[str]:
-    """A line per group of a grouped semaphore (none for an ungrouped one)."""
-    return [
-        f"  group   {_shown(g.group)}  holders {g.holders}  waiting {g.waiting}  "
-        f"weight {'?' if g.weight is None else f'{g.weight:g}'}  served {g.served}  "
-        f"share {g.share:g}{'  at its group limit' if g.at_limit else ''}"
-        for g in groups
-    ]
+def _runs_line(runs: dict[str, Any]) -> str:
+    """The running and pending runs of a key (``dedupe="coalesce"``), on one line."""
+    running = runs["running"] and _shown(runs["running"])
+    if running and not runs["running_live"]:
+        running += " (its lease ended)"
+    pending = runs["pending"] and _shown(runs["pending"])
+    if pending:
+        pending += f" (due in {runs['due_in']:.1f}s, answers for {runs['answers']} more)"
+    return f"  runs: running {running or '-'}; pending {pending or '-'}"
 
 
 def _ttls(client: RedisClient, keys: list[str]) -> dict[str, int]:
@@ -275,8 +278,8 @@ def status(
     order they will be served (a grouped semaphore: its groups, with their holders, waiting,
     weight and share served), and the last fencing token granted; and, listed first, each rate
     limiter of the selection: its windows (rate, burst), next free time, booked slots, the
-    units left of each window's burst, and a pause with its time left. Found with SCAN, never
-    KEYS.
+    units left of each window's burst, and a pause with its time left; with NAME, its running
+    and pending runs (dedupe="coalesce"). Found with SCAN, never KEYS.
     A semaphore that cannot be read is skipped with a warning; the others are listed.
     """
     glob = _selection(name, pattern)
@@ -293,6 +296,7 @@ def status(
     )
     limiters = _run(lambda: rate_states(target.client, prefix=target.prefix, pattern=glob))
     groups = _run(lambda: groups_of(target.client, found, prefix=target.prefix))
+    runs = name and _run(lambda: coalesce_state(target.client, name, prefix=target.prefix))
     if as_json:
         _print_json(
             {
@@ -300,24 +304,24 @@ def status(
                 "name": name,
                 "pattern": glob,
                 "total": total,
-                "semaphores": [
-                    {**state_to_dict(s), "groups": [asdict(g) for g in groups[s.name]]}
-                    for s in found
-                ],
+                "semaphores": [state_to_dict(s, groups[s.name]) for s in found],
                 "rate_limiters": [asdict(r) for r in limiters],
+                "runs": runs or None,
                 "skipped": skipped,
             }
         )
         return
     for limiter in limiters:
         click.echo(_rate_line(ctx, limiter))
+    if runs:
+        click.echo(_runs_line(runs))
     if not total:
-        if not limiters:
+        if not limiters and not runs:
             click.echo(_none_found(target, name, glob))
         return
     for state in found:
         click.echo(_summary_line(ctx, state))
-        waiting = _group_lines(groups[state.name]) or _waiter_lines(state, max_waiters)
+        waiting = group_lines(groups[state.name], _shown) or _waiter_lines(state, max_waiters)
         for line in _holder_lines(state) + waiting:
             click.echo(line)
     more = total - len(found) - len(skipped)
@@ -344,8 +348,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     if as_json:
         _print_json(
             {
-                **state_to_dict(state),
-                "groups": [asdict(g) for g in groups],
+                **state_to_dict(state, groups),
                 "exists": exists or limited,
                 "key_ttls_ms": {**ttls, **rate_ttls},
                 "rate_limiter": asdict(limiter) if limited else None,
@@ -358,9 +361,8 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
         click.echo("\n".join(_holder_lines(state)) or "    none")
         click.echo(f"  waiters ({len(state.waiters)}, in the order they will be served)")
         click.echo("\n".join(_waiter_lines(state)) or "    none")
-        if groups:
-            click.echo(f"  groups ({len(groups)}, waiting ones in the order they are served)")
-            click.echo("\n".join(_group_lines(groups)))
+        for line in group_lines(groups, _shown, heading=True):
+            click.echo(line)
     if limited and not as_json:
         click.echo(_rate_line(ctx, limiter))
         _echo_ttls(rate_ttls)

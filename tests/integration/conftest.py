@@ -309,3 +309,35 @@ def true_in_forked_child(check: Callable[[], bool]) -> bool:
     os.close(read)
     os.waitpid(pid, 0)
     return answer == b"1"
+
+
+@contextlib.contextmanager
+def running_beat(
+    redis_url: str, prefix: str, tmp: Path, schedule: dict[str, object], app_module: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A real ``celery beat`` of the app of ``app_module`` with ``schedule``; stopped after."""
+    log = tmp / "beat.log"
+    env = {
+        **os.environ,
+        "REDSEM_TEST_APP_URL": redis_url,
+        "REDSEM_TEST_APP_PREFIX": prefix,
+        "REDSEM_TEST_APP_CONF": json.dumps(
+            {"beat_schedule": schedule, "beat_max_loop_interval": 0.1}
+        ),
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [sys.executable, "-m", "celery", "-A", app_module, "beat", "-l", "INFO"]
+    command += ["-s", str(tmp / "schedule")]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield proc, log
+        finally:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -9,12 +9,8 @@ that vanishes within seconds was cleared, not expired (but for the lost-message 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,7 +25,13 @@ from celery.result import AsyncResult
 from celery_redsem import Busy, RedsemError
 from celery_redsem.core.marks import DedupeMark
 from tests.integration.apps.busy_tasks import close_busy_app, make_busy_app
-from tests.integration.conftest import ROOT, WorkerProcess, blocked, holder, running_workers
+from tests.integration.conftest import (
+    WorkerProcess,
+    blocked,
+    holder,
+    running_beat,
+    running_workers,
+)
 from tests.servers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -293,38 +295,6 @@ def test_canvas_steps_of_a_marked_key_end_as_duplicates_and_the_canvas_completes
     assert [_skips(counter, app, i) for i in duplicates] == [["duplicate"]] * 2
 
 
-@contextlib.contextmanager
-def running_beat(
-    redis_url: str, prefix: str, tmp: Path, schedule: dict[str, object]
-) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """A real ``celery beat`` of the busy tasks' app with ``schedule``; stopped after."""
-    log = tmp / "beat.log"
-    env = {
-        **os.environ,
-        "REDSEM_TEST_APP_URL": redis_url,
-        "REDSEM_TEST_APP_PREFIX": prefix,
-        "REDSEM_TEST_APP_CONF": json.dumps(
-            {"beat_schedule": schedule, "beat_max_loop_interval": 0.1}
-        ),
-        "PYTHONPATH": str(ROOT),
-    }
-    command = [sys.executable, "-m", "celery", "-A", APP_MODULE, "beat", "-l", "INFO"]
-    command += ["-s", str(tmp / "schedule")]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            yield proc, log
-        finally:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def test_beat_does_not_pile_up_runs_of_a_marked_key(
     redis_url: str,
     app: Celery,
@@ -336,7 +306,7 @@ def test_beat_does_not_pile_up_runs_of_a_marked_key(
     key = uuid.uuid4().hex[:10]
     entry = {"task": "b.once", "schedule": 0.25, "args": [key], "kwargs": {"seconds": 1.0}}
     prefix = app.conf.redsem_key_prefix
-    with running_beat(redis_url, prefix, tmp_path, {"again": entry}) as (beat, log):
+    with running_beat(redis_url, prefix, tmp_path, {"again": entry}, APP_MODULE) as (beat, log):
 
         def sends() -> int:
             return log.read_text(errors="replace").count("Sending due task again")

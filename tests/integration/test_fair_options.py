@@ -53,11 +53,11 @@ def test_a_call_gets_its_group_and_weight_by_argument_name() -> None:
     assert guard.sharing is not None
     assert guard.sharing.group_limit == 5
     assert guard.naming_for("t", (7,), {"plan": "pro"}) == ("market-api", 20, ("7", 3.0))
-    assert guard.share_for("t", (), {"account_id": "acme"}) == ("acme", 1.0)
+    assert guard.naming_for("t", (), {"account_id": "acme"})[2] == ("acme", 1.0)
     lock = guard_of(with_lock("report", fair_by=lambda account_id: account_id)(call_market))
     assert lock.naming_for("t", (1,), {}) == ("report", 1, ("1", 1.0))
     plain = guard_of(with_semaphore(2, "k")(call_market))
-    assert plain.share_for("t", (1,), {}) is None
+    assert plain.naming_for("t", (1,), {})[2] is None
 
 
 @pytest.mark.parametrize(
@@ -76,4 +76,4 @@ def test_a_bad_group_or_weight_of_a_call_is_a_key_function_error(
 ) -> None:
     guard = guard_of(with_semaphore(2, "k", fair_by=fair_by, weight=weight)(call_market))
     with pytest.raises(KeyFunctionError, match=fragment):
-        guard.share_for("t", (1,), {})
+        guard.naming_for("t", (1,), {})

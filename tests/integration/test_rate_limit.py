@@ -88,11 +88,17 @@ def _assert_rate_bound(times: list[float], rate: float, burst: int, slack: int =
         assert j - i + 1 <= allowed + 1e-3, f"{j - i + 1} in {times[j] - times[i]:.3f}s"
 
 
-def _inverted(starts: list[Start]) -> float:
-    """The fraction of pairs of runs that started in the opposite order to the one sent."""
-    order = [s.n for s in starts]
-    pairs = list(itertools.combinations(order, 2))
-    return sum(a > b for a, b in pairs) / max(1, len(pairs))
+#: Seconds by which a run sent later may start before one sent earlier and still count as in
+#: order: a pool child starved of CPU for a moment on a loaded host starts its body late
+#: (inversions within it reached 0.12-0.22 of the pairs under load 5-9, none in a quiet run).
+ORDER_SLACK = 0.3
+
+
+def _inverted(starts: list[Start], slack: float = 0.0) -> float:
+    """The fraction of pairs of runs that started in the opposite order to the one sent, by
+    more than ``slack`` seconds."""
+    pairs = list(itertools.combinations(sorted(starts, key=lambda s: s.n), 2))
+    return sum(a.at - b.at > slack for a, b in pairs) / max(1, len(pairs))
 
 
 def _most_inverted_in_a_worker(starts: list[Start]) -> float:
@@ -100,7 +106,9 @@ def _most_inverted_in_a_worker(starts: list[Start]) -> float:
     slot in the order the broker delivered it; across workers the order is the order in which
     they booked, which a worker starved of CPU for a moment (a loaded CI host) delays."""
     workers = {s.worker for s in starts}
-    return max(_inverted([s for s in starts if s.worker == worker]) for worker in workers)
+    return max(
+        _inverted([s for s in starts if s.worker == worker], ORDER_SLACK) for worker in workers
+    )
 
 
 def test_bad_arguments_fail_at_decoration() -> None:

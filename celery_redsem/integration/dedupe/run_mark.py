@@ -37,10 +37,12 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.app.task import Context
+from celery.exceptions import Ignore
 
 from celery_redsem.core.errors import AlreadyQueued, BackendError
 from celery_redsem.core.marks import DedupeMark
 from celery_redsem.core.permit_ids import permit_id_of
+from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import Rule
 from celery_redsem.integration.guards.endings import skipped
@@ -60,8 +62,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: ``dedupe=``: off, on (a repeated send gets the queued run's result), or raise.
-DEDUPE = Rule("False, True or 'raise'", lambda value: value in (False, True, "raise"))
+#: ``dedupe=``: off, on (a repeated send gets the queued run's result), raise, or coalesce
+#: (newest wins: :mod:`~celery_redsem.integration.dedupe.coalesce`).
+DEDUPE = Rule(
+    "False, True, 'raise' or 'coalesce'", lambda value: value in (False, True, "raise", "coalesce")
+)
 
 
 def mark_of(app: Celery, name: str, config: RedsemConfig | None = None) -> DedupeMark:
@@ -95,8 +100,8 @@ class RunMark:
         """Take the mark as the run starts: None if this run has it, else the id of the run
         that does (this one is a duplicate, or was found to be one as its message reached the
         worker). If Redis fails the run goes on (logged): the permit still limits it."""
-        other = take_duplicate_of(request)
-        if other is not None and other != self.task_id:
+        other = self.claim_on_receipt(request)
+        if other is not None:
             return other
         try:
             holder = self.mark.claim(self.task_id, self.ttl)
@@ -110,6 +115,12 @@ class RunMark:
             return None
         return None if holder == self.task_id else holder
 
+    def claim_on_receipt(self, request: Context) -> str | None:
+        """The id of the run that the worker's main process found had the mark as this run's
+        message reached it, if another's (this run is a duplicate)."""
+        other = take_duplicate_of(request)
+        return other if other is not None and other != self.task_id else None
+
     def hold(self, permit_id: str) -> None:
         """Tie the mark to the run's permit, and renew it while the run goes on (best effort:
         a failure is logged)."""
@@ -119,6 +130,18 @@ class RunMark:
         except BackendError as exc:
             logger.warning("celery_redsem: could not keep the dedupe mark of %r: %s", self, exc)
         _keeper.add(self)
+
+    def take_over(
+        self,
+        task: Task[Any, Any],
+        request: Context,
+        sem: FairSemaphore,
+        permit: Permit,
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments the body runs with, holding ``permit``: ``call`` itself (a coalesced
+        run's may be newer: :class:`~celery_redsem.integration.dedupe.coalesce.CoalesceRun`)."""
+        return call
 
     def renew(self) -> bool:
         """Push the TTL of the mark (the keeper calls this); False once it is no longer this
@@ -141,6 +164,11 @@ class RunMark:
         return f"<RunMark {self.mark.name!r} {self.task_id}>"
 
 
+def keep_renewing(mark: RunMark) -> None:
+    """Have this process's keeper renew ``mark`` until it ends."""
+    _keeper.add(mark)
+
+
 def clear_quietly(mark: DedupeMark, task_id: str) -> bool:
     """Remove ``mark`` if it is ``task_id``'s; False if not, or if Redis failed (logged)."""
     try:
@@ -157,14 +185,18 @@ def clear_quietly(mark: DedupeMark, task_id: str) -> bool:
 
 
 def end_duplicate(
-    task: Task[Any, Any], request: Context, sem: FairSemaphore, other: str, *, raise_it: bool
+    task: Task[Any, Any], request: Context, sem: FairSemaphore, other: str, dedupe: object
 ) -> None:
     """End the run ``request`` that the run ``other`` of its key makes a duplicate: skipped
-    (:func:`~celery_redsem.integration.guards.endings.skipped`, ``reason="duplicate"``), or with
-    ``raise_it`` (``dedupe="raise"``) failed with :class:`~celery_redsem.AlreadyQueued`. A grant
-    the worker's main process handed it, if any, goes back."""
+    (:func:`~celery_redsem.integration.guards.endings.skipped`, ``reason="duplicate"``), or
+    (``dedupe="raise"``) failed with :class:`~celery_redsem.AlreadyQueued`, or
+    (``"coalesce"``) ended with Celery's ``Ignore``, storing no result: ``other`` stores it.
+    A grant the worker's main process handed it, if any, goes back."""
     if not request.is_eager:
         release_quietly(sem, permit_id_of(request))
+    if dedupe == "coalesce":
+        raise Ignore(f"run {other} of {sem.name!r} carries its arguments and answers for it")
+    raise_it = dedupe == "raise"
     if raise_it:
         raise AlreadyQueued(
             f"task {task.name}[{request.id}] did not run: run {other} of {sem.name!r} is "

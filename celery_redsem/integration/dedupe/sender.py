@@ -21,6 +21,9 @@ had it (result None, and the canvas goes on; ``dedupe="raise"``: it fails with
 mark. :func:`mark_received` (called by the worker's main process for every message it receives)
 takes the mark for such a message, or finds it a duplicate (see
 :mod:`~celery_redsem.integration.dedupe.run_mark`).
+
+With ``dedupe="coalesce"`` both sides hand over to
+:mod:`~celery_redsem.integration.dedupe.coalesce` (newest wins).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from celery.signals import beat_init
 from celery.utils import uuid
 
 from celery_redsem.core.errors import AlreadyQueued, BackendError
+from celery_redsem.core.marks import Debounce
+from celery_redsem.integration.dedupe import coalesce
 from celery_redsem.integration.dedupe.run_mark import clear_quietly, mark_of, queued_ttl
 from celery_redsem.integration.guards.base import Guard, guards_of, iter_guarded_tasks
 from celery_redsem.integration.guards.naming import call_arguments
@@ -45,8 +50,7 @@ __all__ = ["install_dedupe", "mark_received", "watch_apps"]
 logger = logging.getLogger(__name__)
 
 _WRAPPED = "_redsem_dedupe_wrapped"
-#: Options of a send that make it a step of a canvas (see the module docstring).
-_CANVAS_OPTIONS = ("chain", "link", "link_error", "group_id", "chord", "parent_id", "root_id")
+_CANVAS_OPTIONS = coalesce.CANVAS_OPTIONS  # a send with one is a step of a canvas (see above)
 
 
 def install_dedupe(app: Celery) -> int:
@@ -71,8 +75,13 @@ def wrap_sends(cls: type, guard: Guard) -> None:
     def apply_async(
         task: Any, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
     ) -> Any:
-        config = get_config(task.app)
         name = guard.name_for(task.name, call_arguments(task, args), kwargs or {})
+        if guard.dedupe == "coalesce":
+            debounce = getattr(guard, "debounce", None) or Debounce()
+            ttl = queued_ttl(get_config(task.app), options)
+            call = (args, kwargs, task_id, options)
+            return coalesce.send(task, name, call, original, debounce=debounce, ttl=ttl)
+        config = get_config(task.app)
         task_id = task_id or uuid()
         mark = mark_of(task.app, name, config)
         try:
@@ -135,6 +144,11 @@ def mark_received(request: Any) -> None:
     try:
         config = get_config(task.app)
         name = guard.name_for(task.name, call_arguments(task, request.args), request.kwargs or {})
+        if guard.dedupe == "coalesce":
+            debounce = getattr(guard, "debounce", None) or Debounce()
+            ttl = queued_ttl(config, {"eta": request.eta})
+            coalesce.receive(task, name, debounce, request, ttl)
+            return
         mark = mark_of(task.app, name, config)
         holder = mark.claim(task_id, queued_ttl(config, {"eta": request.eta}))
     except BackendError as exc:

@@ -57,6 +57,8 @@ def with_semaphore(
     lost_lease_policy: str | None = None,
     on_busy: str = "wait",
     dedupe: bool | str = False,
+    debounce: float | None = None,
+    debounce_max: float | None = None,
     fair_by: Callable[..., object] | None = None,
     weight: float | Callable[..., object] = 1,
     group_limit: int | None = None,
@@ -82,7 +84,14 @@ def with_semaphore(
             with :class:`~celery_redsem.Busy`). Neither of the last two joins the line.
         dedupe: ``True``: while a run for the key is queued or running, sending the task
             again returns that run's ``AsyncResult`` and queues nothing; ``"raise"``: raises
-            :class:`~celery_redsem.AlreadyQueued` instead (see :doc:`/coming-from-celery-once`).
+            :class:`~celery_redsem.AlreadyQueued` instead (see :doc:`/coming-from-celery-once`);
+            ``"coalesce"``: newest wins, at most one run running and one pending per key,
+            the pending run taking the newest arguments of the sends it absorbs, whose
+            results are its result (see :doc:`/choosing-dedupe`).
+        debounce: with ``dedupe="coalesce"``: a run starts only once this many seconds
+            passed (server clock) since the newest send for its key.
+        debounce_max: bound on that wait, in seconds from the first send the run answers
+            for (>= ``debounce``; default: none), for a stream that never goes quiet.
         fair_by: who shares the limit: a callable of the task's arguments by name returning
             the run's group (a str or int, ``fair_by=lambda account_id: account_id``). A free
             permit then goes to the group with the smallest share served, FIFO within a group
@@ -102,6 +111,8 @@ def with_semaphore(
         "lost_lease_policy": lost_lease_policy,
         "on_busy": on_busy,
         "dedupe": dedupe,
+        "debounce": debounce,
+        "debounce_max": debounce_max,
         "fair_by": fair_by,
         "weight": weight,
         "group_limit": group_limit,
@@ -182,7 +193,7 @@ def with_lock(
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1`` (and its
     keyword options: ``lease``, ``max_wait``, ``lost_lease_policy``, ``on_busy``, ``dedupe``,
-    ``fair_by``, ``weight``, ``group_limit``)."""
+    ``debounce``, ``debounce_max``, ``fair_by``, ``weight``, ``group_limit``)."""
     return with_semaphore(1, key, **options)
 
 

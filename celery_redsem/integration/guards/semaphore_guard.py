@@ -38,13 +38,13 @@ from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import SECONDS, Rule
 from celery_redsem.integration import wire
-from celery_redsem.integration.dedupe import run_mark
+from celery_redsem.integration.dedupe import coalesce, coalesce_run, run_mark
+from celery_redsem.integration.guards import sharing as fair
 from celery_redsem.integration.guards.base import Guard, guards_of
 from celery_redsem.integration.guards.contention import Contention
 from celery_redsem.integration.guards.endings import ON_BUSY, busy, skipped, try_once
 from celery_redsem.integration.guards.naming import LimitRule, call_arguments
 from celery_redsem.integration.guards.reentry import Entered, enter, held_by_caller, leave
-from celery_redsem.integration.guards.sharing import Share, Sharing, sharing_of
 from celery_redsem.integration.line import release_quietly, server_ms
 from celery_redsem.integration.policy import hold_times
 from celery_redsem.integration.seam import active_apps
@@ -62,6 +62,9 @@ __all__ = ["GuardOptions", "SemaphoreGuard"]
 logger = logging.getLogger(__name__)
 
 
+_Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class _Call:
     """One call of a guarded function: its task and request (None for a direct call)."""
@@ -73,7 +76,7 @@ class _Call:
     name: str
     limit: int
     config: RedsemConfig
-    share: Share | None
+    share: fair.Share | None
 
 
 class GuardOptions(TypedDict, total=False):
@@ -86,6 +89,8 @@ class GuardOptions(TypedDict, total=False):
     lost_lease_policy: str | None
     on_busy: str
     dedupe: bool | str
+    debounce: float | None
+    debounce_max: float | None
     fair_by: Callable[..., object] | None
     weight: float | Callable[..., object]
     group_limit: int | None
@@ -122,14 +127,10 @@ class SemaphoreGuard(Guard, kind="permit"):
         )
         self.on_busy: str = ON_BUSY.check(on_busy, f"on_busy of {where}")
         self.dedupe = run_mark.DEDUPE.check(dedupe, f"dedupe of {where}")
-        #: Who shares the semaphore (``fair_by``, ``weight``, ``group_limit``), or None.
-        self.sharing: Sharing | None = sharing_of(
-            fn,
-            options.get("fair_by"),
-            options.get("weight", 1),
-            options.get("group_limit"),
-            where,
+        self.debounce = coalesce.check_debounce(
+            self.dedupe, options.get("debounce"), options.get("debounce_max"), where
         )
+        self.sharing: fair.Sharing | None = fair.sharing_of(fn, options, where)  # who shares
 
     def __repr__(self) -> str:
         return f"<SemaphoreGuard {self.where} limit={self.limits!r} key={self.key!r}>"
@@ -146,18 +147,10 @@ class SemaphoreGuard(Guard, kind="permit"):
 
     def naming_for(
         self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> tuple[str, int, Share | None]:
+    ) -> tuple[str, int, fair.Share | None]:
         """The semaphore name, limit, and group and weight (None: not shared fairly) of a call."""
-        return (
-            *self.name_and_limit(task_name, args, kwargs),
-            self.share_for(task_name, args, kwargs),
-        )
-
-    def share_for(
-        self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> Share | None:
-        """The group and weight of one call, or None if the semaphore is not shared fairly."""
-        return None if self.sharing is None else self.sharing.share_for(task_name, args, kwargs)
+        share = fair.share_of(self.sharing, task_name, args, kwargs)
+        return (*self.name_and_limit(task_name, args, kwargs), share)
 
     def semaphore(
         self,
@@ -165,15 +158,13 @@ class SemaphoreGuard(Guard, kind="permit"):
         name: str,
         config: RedsemConfig | None = None,
         limit: int | None = None,
-        share: Share | None = None,
+        share: fair.Share | None = None,
     ) -> FairSemaphore:
-        """The semaphore ``name`` with ``limit`` (default: this guard's fixed limit) and the
-        app's settings; with ``fair_by``, grouped, and asking in ``share``'s group if given."""
+        """The semaphore ``name`` with ``limit`` (default: the fixed one), asking in ``share``."""
         config = config or get_config(app)
         limit = self.limit if limit is None else limit
         if limit is None:
             raise ConfigurationError(f"{self!r} computes its limit per call: pass limit=")
-        sharing = self.sharing
         sem = _semaphore(
             get_client(app),
             name,
@@ -183,8 +174,7 @@ class SemaphoreGuard(Guard, kind="permit"):
             prefix=config.key_prefix,
             min_replicas=config.min_replicas,
             replica_timeout=config.replica_timeout,
-            grouped=sharing is not None,
-            group_limit=None if sharing is None else sharing.group_limit,
+            **fair.fair_settings(self.sharing),
         )
         return sem if share is None else sem.in_group(*share)
 
@@ -213,7 +203,9 @@ class SemaphoreGuard(Guard, kind="permit"):
         if mark is not None and request is not None and (other := mark.claim(request)):
             return self._duplicate(call, other)
         started = time.monotonic()
-        sem, permit, confirmed_at = self._permit(call, mark, started)
+        sem, permit, confirmed_at, (args, kwargs) = self._permit(
+            call, mark, started, (args, kwargs)
+        )
         if permit is None:  # on_busy="skip", and the key is busy
             return self._skip_busy(call, mark, args, kwargs)
         # From the grant on, every way out releases: nothing may run between it and the try.
@@ -261,11 +253,12 @@ class SemaphoreGuard(Guard, kind="permit"):
         return result
 
     def _permit(
-        self, call: _Call, mark: run_mark.RunMark | None, started: float
-    ) -> tuple[FairSemaphore, Permit | None, float | None]:
+        self, call: _Call, mark: run_mark.RunMark | None, started: float, arguments: _Arguments
+    ) -> tuple[FairSemaphore, Permit | None, float | None, _Arguments]:
         """The semaphore and the run's permit (None: on_busy="skip" and the key is busy),
-        and when the grant was confirmed if the main process handed it over. Whatever ends
-        the run here (a failure, not a retry) clears its dedupe mark."""
+        when the grant was confirmed if the main process handed it over, and the arguments
+        the body runs with (a coalesced run's may be newer). Whatever ends the run here (a
+        failure, not a retry) clears its dedupe mark."""
         request = call.request
         got: tuple[FairSemaphore, Permit | None, float | None]
         try:
@@ -283,7 +276,9 @@ class SemaphoreGuard(Guard, kind="permit"):
             raise
         if mark is not None and got[1] is not None:
             mark.hold(got[1].id)  # live from now on as long as the permit is
-        return got
+            if call.task is not None and request is not None:  # (releases if it raises)
+                arguments = mark.take_over(call.task, request, got[0], got[1], arguments)
+        return (*got, arguments)
 
     def _worker_permit(
         self, call: _Call, request: Context, started: float
@@ -403,7 +398,9 @@ class SemaphoreGuard(Guard, kind="permit"):
                 exc,
             )
             return False
-        if self.dedupe and request.id:
+        if self.dedupe == "coalesce" and request.id:
+            coalesce.abandon(task, name, request.id)
+        elif self.dedupe and request.id:
             run_mark.clear_quietly(run_mark.mark_of(task.app, name), request.id)
         return release_quietly(self.semaphore(task.app, name, limit=limit), permit_id) is True
 
@@ -428,6 +425,10 @@ class SemaphoreGuard(Guard, kind="permit"):
         request = call.request
         if not self.dedupe or request is None or request.called_directly or not request.id:
             return None
+        if self.dedupe == "coalesce":
+            return coalesce_run.CoalesceRun(
+                call.app, call.name, request.id, call.config, self.debounce
+            )
         return run_mark.RunMark(call.app, call.name, request.id, call.config)
 
     def _skip_busy(
@@ -451,7 +452,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         assert call.task is not None
         assert call.request is not None
         sem = self.semaphore(call.app, call.name, call.config, call.limit, call.share)
-        run_mark.end_duplicate(call.task, call.request, sem, other, raise_it=self.dedupe == "raise")
+        run_mark.end_duplicate(call.task, call.request, sem, other, self.dedupe)
 
 
 #: The semaphores of this process, by client, name and settings: one is built (and checks its

@@ -18,7 +18,7 @@ from celery_redsem.core.errors import ConfigurationError
 from celery_redsem.core.fair_share import GROUP_LIMIT, FairShare
 from celery_redsem.integration.guards.naming import ByName
 
-__all__ = ["Share", "Sharing", "sharing_of"]
+__all__ = ["Share", "Sharing", "fair_settings", "share_of", "sharing_of"]
 
 #: One call's group and weight.
 Share = tuple[str, float]
@@ -77,15 +77,11 @@ class Sharing:
         return group, float(weight)  # type: ignore[arg-type]
 
 
-def sharing_of(
-    fn: Callable[..., Any],
-    fair_by: Callable[..., object] | None,
-    weight: float | Callable[..., object],
-    group_limit: int | None,
-    where: str,
-) -> Sharing | None:
-    """The :class:`Sharing` of a decorated function, or None without ``fair_by`` (then
-    ``weight`` and ``group_limit`` must be left out)."""
+def sharing_of(fn: Callable[..., Any], options: Mapping[str, Any], where: str) -> Sharing | None:
+    """The :class:`Sharing` of a decorated function with the decorator's ``options``, or None
+    without ``fair_by`` (then ``weight`` and ``group_limit`` must be left out)."""
+    fair_by, weight = options.get("fair_by"), options.get("weight", 1)
+    group_limit = options.get("group_limit")
     if fair_by is not None:
         return Sharing(fn, fair_by, weight, group_limit, where)
     for what, value, default in (("weight", weight, 1), ("group_limit", group_limit, None)):
@@ -95,3 +91,15 @@ def sharing_of(
                 "(fair_by=lambda account_id: account_id)"
             )
     return None
+
+
+def share_of(
+    sharing: Sharing | None, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Share | None:
+    """One call's group and weight, or None if the semaphore is not shared fairly."""
+    return None if sharing is None else sharing.share_for(task_name, args, kwargs)
+
+
+def fair_settings(sharing: Sharing | None) -> dict[str, Any]:
+    """The semaphore settings that follow from ``sharing`` (``grouped``, ``group_limit``)."""
+    return {"grouped": sharing is not None, "group_limit": sharing and sharing.group_limit}
