@@ -39,6 +39,8 @@ from celery_redsem.ops.admin import (
     coalesce_state,
     force_release,
     glob_escape,
+    group_lines,
+    groups_of,
     purge,
     rate_states,
     state_to_dict,
@@ -273,7 +275,8 @@ def status(
     """The semaphore NAME, those whose name matches --pattern, or (neither) every semaphore.
 
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
-    order they will be served, and the last fencing token granted; and, listed first, each rate
+    order they will be served (a grouped semaphore: its groups, with their holders, waiting,
+    weight and share served), and the last fencing token granted; and, listed first, each rate
     limiter of the selection: its windows (rate, burst), next free time, booked slots, the
     units left of each window's burst, and a pause with its time left; with NAME, its running
     and pending runs (dedupe="coalesce"). Found with SCAN, never KEYS.
@@ -292,6 +295,7 @@ def status(
         )
     )
     limiters = _run(lambda: rate_states(target.client, prefix=target.prefix, pattern=glob))
+    groups = _run(lambda: groups_of(target.client, found, prefix=target.prefix))
     runs = name and _run(lambda: coalesce_state(target.client, name, prefix=target.prefix))
     if as_json:
         _print_json(
@@ -300,7 +304,7 @@ def status(
                 "name": name,
                 "pattern": glob,
                 "total": total,
-                "semaphores": [state_to_dict(s) for s in found],
+                "semaphores": [state_to_dict(s, groups[s.name]) for s in found],
                 "rate_limiters": [asdict(r) for r in limiters],
                 "runs": runs or None,
                 "skipped": skipped,
@@ -317,7 +321,8 @@ def status(
         return
     for state in found:
         click.echo(_summary_line(ctx, state))
-        for line in _holder_lines(state) + _waiter_lines(state, max_waiters):
+        waiting = group_lines(groups[state.name], _shown) or _waiter_lines(state, max_waiters)
+        for line in _holder_lines(state) + waiting:
             click.echo(line)
     more = total - len(found) - len(skipped)
     if more > 0:
@@ -333,6 +338,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     burst, next free time, booked slots). Exits with 1 if neither has keys in Redis."""
     target = _target(ctx)
     state = _run(lambda: read_state(target.client, name, prefix=target.prefix))
+    groups = _run(lambda: groups_of(target.client, [state], prefix=target.prefix))[name]
     limiter = _run(lambda: read_rate_state(target.client, name, prefix=target.prefix))
     exists = state.limit is not None or bool(state.holders or state.waiters)
     limited = limiter.rate is not None or limiter.remembered > 0 or limiter.paused > 0
@@ -342,7 +348,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     if as_json:
         _print_json(
             {
-                **state_to_dict(state),
+                **state_to_dict(state, groups),
                 "exists": exists or limited,
                 "key_ttls_ms": {**ttls, **rate_ttls},
                 "rate_limiter": asdict(limiter) if limited else None,
@@ -355,6 +361,8 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
         click.echo("\n".join(_holder_lines(state)) or "    none")
         click.echo(f"  waiters ({len(state.waiters)}, in the order they will be served)")
         click.echo("\n".join(_waiter_lines(state)) or "    none")
+        for line in group_lines(groups, _shown, heading=True):
+            click.echo(line)
     if limited and not as_json:
         click.echo(_rate_line(ctx, limiter))
         _echo_ttls(rate_ttls)
