@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-oldest lint types pytest docs demo bench bench-core bench-celery bench-burst bench-pools bench-rate clean
+.PHONY: test test-oldest lint types pytest docs demo bench bench-core bench-celery bench-burst bench-pools bench-rate bench-fair clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ bench-pools: $(STAMP)
 # Per-key rate: @with_rate_limit against Celery's rate_limit, two workers, both brokers.
 bench-rate: $(STAMP)
 	$(PY) -m benchmarks.rate $(BENCH_ARGS)
+
+# Issue 40: accounts a, b, c send 300/300/30 tasks at a shared limit of 4; fair share (weights
+# 1:1:1, 2:1:1, a group limit) against FIFO; two workers, both brokers.
+bench-fair: $(STAMP)
+	$(PY) -m benchmarks.fair $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache

@@ -82,7 +82,9 @@ def test_status_shows_windows_units_left_and_pauses(
         r"0\.000s  booked 0  units left 2/97  PAUSED 1[12]\d\.\ds",
         out,
     ), out
-    assert re.search(r"idle:1  pause of the name  PAUSED [56]\d\.\ds", out)
+    assert re.search(
+        r"idle:1  rate limiter \?  burst \?  .* units left \?  PAUSED [56]\d\.\ds", out
+    )
     data = json.loads(run(app, "status", "--pattern", "llm:*", "--json").output)
     (state,) = data["rate_limiters"]
     assert 110 < state["paused"] <= 120

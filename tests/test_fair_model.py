@@ -104,7 +104,7 @@ class Model:
                 (self.capped if capped else self.queued)[group] = tag
         order = self.order()
         rank = order.index(group) if group in self.queued else len(order)
-        return False, line.index(pid) + 1 + rank
+        return False, int(line.index(pid) * max(1, len(order)) / weight) + 1 + rank
 
     def release(self, pid: str) -> bool:
         group = self.holders.pop(pid, None)

@@ -269,7 +269,6 @@ def test_without_a_group_the_fifo_scripts_run(redis_client, prefix):
         ({"grouped": True}, {"group": ""}, "needs a group"),
         ({"grouped": True}, {"group": "g", "weight": 0}, "weight must be"),
         ({"grouped": True}, {"group": "g", "weight": float("nan")}, "weight must be"),
-        ({"grouped": True}, {"group": "g", "back_in": 1.0, "join_line": True}, "back_in"),
         ({"grouped": True}, {"group": "g" * 300}, "characters long"),
         ({"grouped": True}, {"group": "a\0b"}, "NUL"),
     ],

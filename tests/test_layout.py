@@ -228,6 +228,9 @@ def test_with_semaphore_takes_exactly_the_guard_options_and_with_lock_passes_the
         "dedupe": True,
         "debounce": None,
         "debounce_max": None,
+        "fair_by": None,
+        "weight": 1,
+        "group_limit": None,
     }
 
 

@@ -56,7 +56,7 @@ class FairShare:
         self.acquire_script: LuaScript = FAIR_ACQUIRE if grouped else ACQUIRE
         self.release_script: LuaScript = FAIR_RELEASE if grouped else RELEASE
 
-    def group_arg(self, group: object, weight: object, back_in: float, name: str) -> str:
+    def group_arg(self, group: object, weight: object, name: str) -> str:
         """fair_acquire.lua's ARGV[2], ``<weight>:<group limit>|<group>``, for one attempt."""
         if not self.grouped:
             raise ConfigurationError(
@@ -74,11 +74,6 @@ class FairShare:
         if len(group) > MAX_GROUP_LENGTH:
             raise ConfigurationError(
                 f"group is {len(group)} characters long; the maximum is {MAX_GROUP_LENGTH}",
-                name=name,
-            )
-        if back_in:
-            raise ConfigurationError(
-                "back_in is not supported with a group yet: a grouped waiter waits now",
                 name=name,
             )
         return f"{_weight(weight, name)!r}:{self.group_limit or 0}|{group}"

@@ -64,6 +64,24 @@ class SemaphoreKeys:
     wake_prefix = _Key(
         "wake:", "Prefix of the per-waiter wake-up lists (``<wake_prefix><permit id>``)."
     )
+    fair = _Key(
+        "fair",
+        """Hash of a grouped semaphore (:mod:`.fair_share`): virtual time, tickets, its group
+        limit, and the group of each holder and waiter (``_fair.lua`` has the full layout).""",
+    )
+    fair_queue = _Key(
+        "fq", "Sorted set: group -> start tag of its head, groups that may be served."
+    )
+    fair_capped = _Key("fcap", "Sorted set: group -> start tag of its head, groups at their limit.")
+    fair_grants = _Key("fh", "Sorted set: ``<group>\\0<permit id>`` of every grant of a group.")
+    #: Prefixes of a grouped semaphore's keys per group (``<prefix><group>``): its line, its
+    #: waiter leases, its waiters' due times, and its finish tag, weight and grants served.
+    GROUP_KEY_KINDS = ("fw:", "fwx:", "fwd:", "fg:")
+
+    def group_keys(self, group: str) -> list[str]:
+        """The keys of one group of a grouped semaphore."""
+        return [f"{self.base}:{kind}{group}" for kind in self.GROUP_KEY_KINDS]
+
     rate = _Key(
         "rate",
         """Hash of the rate limiter of this name: its theoretical arrival time (``tat``, server
@@ -84,9 +102,23 @@ class SemaphoreKeys:
 
     @property
     def all(self) -> list[str]:
-        """Every key of the semaphore but the wake-up lists. The scripts are passed only
+        """Every key of the semaphore but the wake-up lists and a grouped one's keys per group
+        (:meth:`group_keys`). The scripts are passed only
         ``holders`` and derive the others from it (same hash tag, same cluster slot)."""
-        return [self.holders, self.waiters, self.waiter_expiry, self.waiter_due]
+        return [
+            self.holders,
+            self.waiters,
+            self.waiter_expiry,
+            self.waiter_due,
+            self.fair,
+            self.fair_queue,
+            self.fair_capped,
+            self.fair_grants,
+        ]
+
+    def is_group_key(self, key: str) -> bool:
+        """Whether ``key`` is a key of one group of this (grouped) semaphore."""
+        return any(key.startswith(f"{self.base}:{kind}") for kind in self.GROUP_KEY_KINDS)
 
     @classmethod
     def scan_pattern(cls, prefix: str, name_pattern: str = "*") -> str:

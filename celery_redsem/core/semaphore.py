@@ -154,6 +154,15 @@ class FairSemaphore(SemaphoreSpec):
         other._use_keys()
         return other
 
+    def in_group(self, group: str, weight: float = 1.0) -> FairSemaphore:
+        """This grouped semaphore as seen by one caller of ``group`` with ``weight``: a copy
+        whose attempts (and ``acquire``/``hold``) that name no group take these. Both are
+        checked here (:class:`ConfigurationError` if bad)."""
+        self._fair.group_arg(group, weight, self.name)
+        other = copy.copy(self)
+        other.group, other.weight = group, float(weight)
+        return other
+
     def _use_keys(self) -> None:
         """The keys the scripts are called with, for :attr:`keys`; and EVALSHA's numkeys and
         keys, encoded once, not on every call."""
@@ -186,7 +195,8 @@ class FairSemaphore(SemaphoreSpec):
         On a ``grouped`` semaphore every attempt names its ``group`` (a str), and the line is
         served by fair share: a free permit goes to the head of the group with the smallest
         share served (grants / ``weight``) among the groups with waiters (see
-        :mod:`~celery_redsem.core.fair_share`). ``back_in`` is not supported with a group.
+        :mod:`~celery_redsem.core.fair_share`). With ``back_in`` a grouped waiter is away as in
+        the FIFO line: its group's next present waiter is served meanwhile.
 
         A :class:`BackendError` carries the permit id (``exc.permit_id``, drawn before sending
         when none was given): the request may have been granted with its reply lost, and
@@ -198,7 +208,7 @@ class FairSemaphore(SemaphoreSpec):
             script: LuaScript = ACQUIRE
             args: tuple[str, ...] = (arg,)
             if group is not None or self.grouped or weight != 1:
-                script, args = self._fair_args(arg, group, weight, back_in)
+                script, args = self._fair_args(arg, group, weight)
             if self.min_replicas:
                 return self._attempt_acknowledged(pid, [*args], script)
             # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two

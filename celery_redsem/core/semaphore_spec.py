@@ -141,6 +141,9 @@ class SemaphoreSpec:
         self.grouped: bool = self._fair.grouped
         self.group_limit: int | None = self._fair.group_limit
         self._release_script: LuaScript = self._fair.release_script
+        #: The group and weight of attempts that name none (see ``in_group``).
+        self.group: str | None = None
+        self.weight: float = 1.0
         self._prefix = self.keys.prefix
         self._lease_ms = to_ms(self.lease)
         self._idle_ms = to_ms(self.idle_ttl)
@@ -187,18 +190,20 @@ class SemaphoreSpec:
         back_in = options.get("back_in", 0.0)
         join, lease = options.get("join_line", False), options.get("waiter_lease")
         arg = self._acquire_arg(pid, join, lease, back_in)
-        return self._fair_args(arg, options.get("group"), options.get("weight", 1.0), back_in)
+        return self._fair_args(arg, options.get("group"), options.get("weight", 1.0))
 
     def _fair_args(
-        self, arg: str, group: str | None, weight: float, back_in: float
+        self, arg: str, group: str | None, weight: float
     ) -> tuple[LuaScript, tuple[str, ...]]:
         """The script and ARGV for acquire.lua's ARGV[1] ``arg``, with or without a group."""
+        if group is None and self.group is not None:  # (a view made by in_group)
+            group, weight = self.group, self.weight
         if group is None:
             self._fair.check_ungrouped(weight, self.name)
             return self._fair.acquire_script, (arg,)
         return self._fair.acquire_script, (
             arg,
-            self._fair.group_arg(group, weight, back_in, self.name),
+            self._fair.group_arg(group, weight, self.name),
         )
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:

@@ -24,7 +24,7 @@ from celery_redsem.core.marks import CoalesceRecord
 from celery_redsem.core.permits import SemaphoreState
 from celery_redsem.core.rate_limit import RateState, read_rate_state
 from celery_redsem.core.semaphore import FairSemaphore
-from celery_redsem.core.state import read_state
+from celery_redsem.core.state import GroupInfo, read_groups, read_state
 from celery_redsem.core.validation import validate_name, validate_prefix
 
 __all__ = [
@@ -32,6 +32,8 @@ __all__ = [
     "coalesce_state",
     "force_release",
     "glob_escape",
+    "group_lines",
+    "groups_of",
     "iter_names",
     "purge",
     "rate_states",
@@ -72,8 +74,9 @@ def _scan_names(
 ) -> Iterator[tuple[str, str, bool]]:
     """``(name, key, fixed)`` for each key of a semaphore whose name matches ``pattern``: its
     ``holders`` key only, or (``every_key``) also its other keys, ``fixed`` for all but the
-    wake-up lists. The name ends at the first ``}`` (names have none), and a key counts only if
-    it is one :class:`SemaphoreKeys` spells for that name."""
+    wake-up lists and a grouped semaphore's keys per group. The name ends at the first ``}``
+    (names have none), and a key counts only if it is one :class:`SemaphoreKeys` spells for
+    that name."""
     prefix = validate_prefix(prefix)
     if "{" in pattern or "}" in pattern:
         raise ConfigurationError(f"pattern {pattern!r} must not contain '{{' or '}}'")
@@ -86,7 +89,7 @@ def _scan_names(
         keys = SemaphoreKeys(prefix, name)
         if key == keys.holders or (every_key and key in keys.all):
             yield name, key, True
-        elif every_key and key.startswith(keys.wake_prefix):
+        elif every_key and (key.startswith(keys.wake_prefix) or keys.is_group_key(key)):
             yield name, key, False
 
 
@@ -154,6 +157,14 @@ def rate_states(
     return [read_rate_state(client, name, prefix=prefix) for name in sorted(names)]
 
 
+def groups_of(
+    client: RedisClient, found: list[SemaphoreState], *, prefix: str = DEFAULT_PREFIX
+) -> dict[str, list[GroupInfo]]:
+    """The groups of each grouped semaphore of ``found`` (holders, waiting, weight, share
+    served; one read each), by name; an ungrouped semaphore has none."""
+    return {s.name: read_groups(client, s.name, prefix=prefix) for s in found}
+
+
 def _log_skip(name: str, exc: Exception) -> None:
     logger.warning("skipped semaphore %r: %s", name, exc)
 
@@ -169,9 +180,29 @@ def coalesce_state(
     return asdict(state)
 
 
-def state_to_dict(state: SemaphoreState) -> dict[str, Any]:
-    """A JSON-ready dict of a snapshot (times in server milliseconds)."""
-    return asdict(state)
+def state_to_dict(state: SemaphoreState, groups: list[GroupInfo] | None = None) -> dict[str, Any]:
+    """A JSON-ready dict of a snapshot (times in server milliseconds), with ``groups`` (a
+    grouped semaphore's, :func:`groups_of`) under ``"groups"`` if given."""
+    found = asdict(state)
+    if groups is not None:
+        found["groups"] = [asdict(g) for g in groups]
+    return found
+
+
+def group_lines(
+    groups: list[GroupInfo], shown: Callable[[str], str], *, heading: bool = False
+) -> list[str]:
+    """A line of text per group of a grouped semaphore (none for an ungrouped one), the group
+    name as ``shown`` prints it; with ``heading``, a line before them."""
+    lines = [
+        f"  group   {shown(g.group)}  holders {g.holders}  waiting {g.waiting}  "
+        f"weight {'?' if g.weight is None else f'{g.weight:g}'}  served {g.served}  "
+        f"share {g.share:g}{'  at its group limit' if g.at_limit else ''}"
+        for g in groups
+    ]
+    if heading and lines:
+        lines.insert(0, f"  groups ({len(groups)}, waiting ones in the order they are served)")
+    return lines
 
 
 @dataclass(frozen=True)
@@ -202,12 +233,15 @@ def force_release(
     """
     before = read_state(client, validate_name(name), prefix=prefix)
     holder = next((h for h in before.holders if h.permit_id == permit_id), None)
+    # A grouped semaphore's release script keeps the groups' books.
+    grouped = bool(read_groups(client, name, prefix=prefix))
     sem = FairSemaphore(
         client,
         name,
         before.limit or 1,
         prefix=prefix,
         idle_ttl=DEFAULT_IDLE_TTL if idle_ttl is None else idle_ttl,
+        grouped=grouped,
     )
     freed = sem.release(permit_id)
     if not freed:

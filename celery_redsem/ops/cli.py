@@ -39,6 +39,8 @@ from celery_redsem.ops.admin import (
     coalesce_state,
     force_release,
     glob_escape,
+    group_lines,
+    groups_of,
     purge,
     rate_states,
     state_to_dict,
@@ -119,12 +121,11 @@ def _summary_line(ctx: click.Context, state: SemaphoreState, paused: float = 0.0
     limit = "?" if state.limit is None else str(state.limit)
     held = f"{len(state.holders)}/{limit}"
     full = state.limit is not None and len(state.holders) >= state.limit
-    pause = _style(ctx, f"  PAUSED {paused:.1f}s", fg="red") if paused else ""
     return (
         f"{_style(ctx, _shown(state.name), bold=True)}  limit {limit}  "
         f"held {_style(ctx, held, fg='yellow' if full else 'green')}  "
-        f"waiting {len(state.waiters)}  last token {state.last_token or '-'}{pause}"
-    )
+        f"waiting {len(state.waiters)}  last token {state.last_token or '-'}"
+    ) + (_style(ctx, f"  PAUSED {paused:.1f}s", fg="red") if paused else "")
 
 
 def _rate_line(ctx: click.Context, state: RateState) -> str:
@@ -132,8 +133,6 @@ def _rate_line(ctx: click.Context, state: RateState) -> str:
     more = "".join(f"  + {w.rate:g}/s burst {w.burst}" for w in state.windows[1:])
     left = "/".join(str(w.remaining) for w in state.windows) or "?"
     paused = _style(ctx, f"  PAUSED {state.paused:.1f}s", fg="red") if state.paused else ""
-    if state.rate is None and not state.remembered:  # a pause alone: of a semaphore's name
-        return f"{_style(ctx, _shown(state.name), bold=True)}  pause of the name{paused}"
     return (
         f"{_style(ctx, _shown(state.name), bold=True)}  rate limiter {rate}  "
         f"burst {state.burst or '?'}{more}  next free in {state.next_free:.3f}s  "
@@ -276,7 +275,8 @@ def status(
     """The semaphore NAME, those whose name matches --pattern, or (neither) every semaphore.
 
     For each: its limit, its holders (task id, fencing token, lease left), its waiters in the
-    order they will be served, and the last fencing token granted; and, listed first, each rate
+    order they will be served (a grouped semaphore: its groups, with their holders, waiting,
+    weight and share served), and the last fencing token granted; and, listed first, each rate
     limiter of the selection: its windows (rate, burst), next free time, booked slots, the
     units left of each window's burst, and a pause with its time left; with NAME, its running
     and pending runs (dedupe="coalesce"). Found with SCAN, never KEYS.
@@ -295,6 +295,7 @@ def status(
         )
     )
     limiters = _run(lambda: rate_states(target.client, prefix=target.prefix, pattern=glob))
+    groups = _run(lambda: groups_of(target.client, found, prefix=target.prefix))
     runs = name and _run(lambda: coalesce_state(target.client, name, prefix=target.prefix))
     if as_json:
         _print_json(
@@ -303,7 +304,7 @@ def status(
                 "name": name,
                 "pattern": glob,
                 "total": total,
-                "semaphores": [state_to_dict(s) for s in found],
+                "semaphores": [state_to_dict(s, groups[s.name]) for s in found],
                 "rate_limiters": [asdict(r) for r in limiters],
                 "runs": runs or None,
                 "skipped": skipped,
@@ -321,7 +322,8 @@ def status(
     pauses = {limiter.name: limiter.paused for limiter in limiters}
     for state in found:
         click.echo(_summary_line(ctx, state, pauses.get(state.name, 0.0)))
-        for line in _holder_lines(state) + _waiter_lines(state, max_waiters):
+        waiting = group_lines(groups[state.name], _shown) or _waiter_lines(state, max_waiters)
+        for line in _holder_lines(state) + waiting:
             click.echo(line)
     more = total - len(found) - len(skipped)
     if more > 0:
@@ -337,6 +339,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     burst, next free time, booked slots). Exits with 1 if neither has keys in Redis."""
     target = _target(ctx)
     state = _run(lambda: read_state(target.client, name, prefix=target.prefix))
+    groups = _run(lambda: groups_of(target.client, [state], prefix=target.prefix))[name]
     limiter = _run(lambda: read_rate_state(target.client, name, prefix=target.prefix))
     exists = state.limit is not None or bool(state.holders or state.waiters)
     limited = limiter.rate is not None or limiter.remembered > 0 or limiter.paused > 0
@@ -346,7 +349,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
     if as_json:
         _print_json(
             {
-                **state_to_dict(state),
+                **state_to_dict(state, groups),
                 "exists": exists or limited,
                 "key_ttls_ms": {**ttls, **rate_ttls},
                 "rate_limiter": asdict(limiter) if limited else None,
@@ -359,6 +362,8 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
         click.echo("\n".join(_holder_lines(state)) or "    none")
         click.echo(f"  waiters ({len(state.waiters)}, in the order they will be served)")
         click.echo("\n".join(_waiter_lines(state)) or "    none")
+        for line in group_lines(groups, _shown, heading=True):
+            click.echo(line)
     if limited and not as_json:
         click.echo(_rate_line(ctx, limiter))
         _echo_ttls(rate_ttls)
@@ -431,10 +436,9 @@ def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> Non
 @click.argument("seconds", type=click.FloatRange(min=0, min_open=True, max=MAX_SECONDS))
 @click.pass_context
 def pause(ctx: click.Context, name: str, seconds: float) -> None:
-    """Admit no start of NAME (its rate limiter and its semaphore) for SECONDS, on any worker
-    (a longer pause already set stays). Holders keep their permits; its tasks wait, parked or
-    retried (max_retries untouched), and start once it ends or `resume` ends it; none fails.
-    Other names are untouched."""
+    """Admit no start of NAME (rate limiter and semaphore) for SECONDS on any worker (a longer
+    pause stays). Holders keep their permits; tasks wait, parked or retried (max_retries
+    untouched), until it ends or `resume` ends it; none fails. Other names are untouched."""
     target = _target(ctx)
     left = _run(lambda: pause_rate_limiter(target.client, name, seconds, prefix=target.prefix))
     click.echo(f"{_shown(name)} is paused for {left:.3f}s.")

@@ -8,6 +8,10 @@
 --   fcap        ZSET  group -> start tag of its head, for groups with waiters at their limit
 --   fw:<group>  ZSET  permit id -> ticket (FIFO line of the group)
 --   fwx:<group> ZSET  permit id -> waiter lease expiry (ms)
+--   fwd:<group> ZSET  permit id -> when the waiter said it would be back (ms): until then it is
+--                     away (a Celery task parked or on a countdown) and its place holds no
+--                     free permit for it; the first *present* waiter of a group is its
+--                     candidate, and groups with no present waiter are passed over
 --   fg:<group>  HASH  'f' finish tag of its last grant, 'w' weight, 'n' grants served
 --   fh          ZSET  '<group>\0<permit id>' (score 0, in lexical order) for every grant of a
 --                     group, checked against the holders hash and `fair` before it is counted:
@@ -25,6 +29,7 @@ local function fair_helpers(holders, now, h)
   local base = string.sub(holders, 1, #holders - 7)
   f.fair, f.fq, f.fcap, f.fh = base .. 'fair', base .. 'fq', base .. 'fcap', base .. 'fh'
   f.budget = 100 -- dead places and empty groups one call clears at most
+  f.LOOK = 200 -- groups one call looks at, at most, for a present head
 
   function f.key(kind, group)
     return base .. kind .. ':' .. group
@@ -41,6 +46,7 @@ local function fair_helpers(holders, now, h)
       return false
     end
     redis.call('ZREM', f.key('fwx', group), id)
+    redis.call('ZREM', f.key('fwd', group), id)
     redis.call('DEL', h.wake_key(holders, id))
     if redis.call('HGET', f.fair, id) == group then
       redis.call('HDEL', f.fair, id)
@@ -133,21 +139,53 @@ local function fair_helpers(holders, now, h)
     end
   end
 
-  -- Wake the heads of the first `free` groups of fq, so blocked waiters try at once.
+  -- The first present waiter of `group` (back: its due time has come; live waiter lease),
+  -- other than `skip`, with its ticket and lease end; nil if none. Most places of a deep line
+  -- are away, so the present ones are found by due time (at most 100 looked at).
+  function f.present(group, skip)
+    local first, until_ms = f.head(group)
+    if not first then
+      return nil
+    end
+    local line, ldue = f.key('fw', group), f.key('fwd', group)
+    if first ~= skip and tonumber(redis.call('ZSCORE', ldue, first) or 0) <= now then
+      return first, tonumber(redis.call('ZSCORE', line, first)), until_ms
+    end
+    local ids = redis.call('ZRANGEBYSCORE', ldue, '-inf', now, 'LIMIT', 0, 100)
+    if #ids == 0 then
+      return nil
+    end
+    local tickets = redis.call('ZMSCORE', line, unpack(ids))
+    local leases = redis.call('ZMSCORE', f.key('fwx', group), unpack(ids))
+    local best, best_ticket, best_until
+    for i, id in ipairs(ids) do
+      local ticket, lease_end = tonumber(tickets[i] or 0), tonumber(leases[i] or 0)
+      if ticket > 0 and lease_end > now and id ~= skip and (not best or ticket < best_ticket) then
+        best, best_ticket, best_until = id, ticket, lease_end
+      end
+    end
+    return best, best_ticket, best_until
+  end
+
+  -- Wake the present heads of the first `free` groups of fq that have one, so blocked
+  -- waiters try at once (groups whose waiters are all away are passed over).
   function f.wake(free)
-    local i = 0
-    while free > 0 and f.budget > 0 do
+    local i, looked = 0, 0
+    while free > 0 and f.budget > 0 and looked < f.LOOK do
       local group = redis.call('ZRANGE', f.fq, i, i)[1]
       if not group then
         return
       end
-      local id, until_ms = f.head(group)
+      looked = looked + 1
+      local id, _, until_ms = f.present(group)
       if id then
         local key = h.wake_key(holders, id)
         redis.call('LPUSH', key, '1')
         redis.call('LTRIM', key, 0, 0)
         redis.call('PEXPIRE', key, until_ms - now)
         free, i = free - 1, i + 1
+      elseif f.head(group) then
+        i = i + 1 -- every waiter of it is away
       elseif f.budget > 0 then
         redis.call('ZREM', f.fq, group) -- empty: its line is gone
         redis.call('ZREM', f.fcap, group)

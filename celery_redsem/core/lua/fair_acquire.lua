@@ -4,17 +4,19 @@
 -- KEYS[1] holders (on Redis Cluster also KEYS[2..4], as for acquire.lua; the fair keys are
 --         derived from KEYS[1], in the same slot)
 -- ARGV[1] acquire.lua's ARGV[1] ('<limit>:<lease>:<waiter lease>:<idle ttl>:<join>:<back in>
---         [:1]|<permit id>'); back in must be 0
+--         [:1]|<permit id>'); back in (ms): the caller is away until then, and its place
+--         holds no free permit for it meanwhile (see fwd in _fair.lua)
 -- ARGV[2] '<weight>:<group limit>|<group>': 0 < weight <= MAX_WEIGHT, group limit 0 = none
 --
 -- Returns as acquire.lua: status '<token>:<lease expiry ms>' if granted (or already held:
 -- same token, lease renewed, ':renewed' appended if ':1' asked), else {position, waiter
--- expiry ms} (position: 1 + groups served before the caller's group + waiters ahead in it;
--- 0 if not in line), or {0, 0, pause ms} while the name is paused (holders still renew).
+-- expiry ms} (position: 1 + groups served before the caller's group + waiters ahead in it
+-- times the groups waiting / its weight: about how many grants come first; 0 if not in line),
+-- or {0, 0, pause ms} while the name is paused (holders still renew).
 --
--- Granted when a permit is free, the caller's group holds fewer than the group limit, the
--- caller heads its group's line (or the line is empty), and fewer groups with live heads come
--- before its group than permits are free. Idempotent per permit id. One call, server clock.
+-- Granted when a permit is free, the caller's group holds fewer than the group limit, no
+-- present waiter of its group comes before it (waiters away on their back in do not count),
+-- and fewer groups with present heads come before its group than permits are free. Idempotent per permit id. One call, server clock.
 -- @common
 -- @fair
 local COUNTERS = 7 -- counter fields in the holders hash (see _common.lua)
@@ -26,8 +28,8 @@ local weight, group_limit, group = string.match(ARGV[2] or '', '^([^:]+):(%d+)|(
 limit, lease, waiter_lease = tonumber(limit), tonumber(lease), tonumber(waiter_lease)
 idle_ttl, back_in = tonumber(idle_ttl), tonumber(back_in)
 weight, group_limit = tonumber(weight), tonumber(group_limit)
-if not (back_in == 0 and weight and id and limit >= 1 and limit <= MAX_COUNT and lease <= MAX_MS
-    and waiter_lease <= MAX_MS and idle_ttl <= MAX_MS and weight > 0 and weight <= MAX_WEIGHT
+if not (back_in and weight and id and limit >= 1 and limit <= MAX_COUNT and lease <= MAX_MS
+    and waiter_lease <= MAX_MS and idle_ttl <= MAX_MS and back_in <= MAX_MS and weight > 0 and weight <= MAX_WEIGHT
     and group_limit <= MAX_COUNT) then
   return redis.error_reply('ERR fair_acquire.lua: settings out of bounds or malformed: '
     .. ARGV[1] .. ' ' .. tostring(ARGV[2]))
@@ -113,16 +115,23 @@ tag = tonumber(tag)
 -- May the caller have a permit now?
 local eligible = false
 if free > 0 and not capped then
-  if (in_line and head == id) or (not in_line and not head) then
+  local first = in_line and head == id -- (then no one of its group comes before it)
+  local other, other_ticket
+  if not first then
+    other, other_ticket = f.present(group, id)
+  end
+  if first or not other or (in_line and other_ticket > tonumber(in_line)) then
     local ahead, i, reached = 0, 0, false
-    while ahead < free and f.budget > 0 do
+    while ahead < free and f.budget > 0 and i < f.LOOK do
       local row = redis.call('ZRANGE', f.fq, i, i, 'WITHSCORES')
       if not row[1] or row[1] == group or (not queued and tonumber(row[2]) > tag) then
         reached = true
         break
       end
-      if f.head(row[1]) then
+      if f.present(row[1]) then
         ahead, i = ahead + 1, i + 1
+      elseif f.head(row[1]) then
+        i = i + 1 -- every waiter of it is away: it holds no free permit
       elseif f.budget > 0 then
         redis.call('ZREM', f.fq, row[1]) -- its line is empty
       end
@@ -135,6 +144,7 @@ if eligible then
   if in_line then
     redis.call('ZREM', line, id)
     redis.call('ZREM', f.key('fwx', group), id)
+    redis.call('ZREM', f.key('fwd', group), id)
   end
   local gk = f.key('fg', group)
   local served = tonumber(redis.call('HGET', gk, 'n') or 0) + 1
@@ -175,13 +185,16 @@ local waiter_until = now + waiter_lease
 local keep = waiter_until + idle_ttl
 local gk = f.key('fg', group)
 redis.call('ZADD', f.key('fwx', group), waiter_until, id)
+redis.call('ZADD', f.key('fwd', group), now + back_in, id)
 redis.call('HSET', f.fair, id, group, ':glimit', group_limit)
 redis.call('HSET', gk, 'w', f.tag(weight))
-for _, key in ipairs({line, f.key('fwx', group), f.fair, gk, f.fq, f.fcap}) do
+for _, key in ipairs({line, f.key('fwx', group), f.key('fwd', group), f.fair, gk, f.fq, f.fcap}) do
   f.keep(key, keep)
 end
 save(':limit', limit, waiter_until + half_idle)
-local position = redis.call('ZRANK', line, id) + 1
-local group_rank = redis.call('ZRANK', f.fq, group)
-position = position + (group_rank or redis.call('ZCARD', f.fq))
+-- Served about one round of the waiting groups per place ahead in its own line (a round
+-- serves a group of weight w about w times).
+local groups = redis.call('ZCARD', f.fq)
+local position = math.floor(redis.call('ZRANK', line, id) * math.max(1, groups) / weight) + 1
+position = position + (redis.call('ZRANK', f.fq, group) or groups)
 return {position, waiter_until}

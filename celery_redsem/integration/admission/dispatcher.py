@@ -161,14 +161,14 @@ class Admission:
         args, kwargs = call_arguments(task, req.args), req.kwargs or {}
         try:
             named = self.gate.slow_keys.call(
-                task.name, lambda: guard.name_and_limit(task.name, args, kwargs)
+                task.name, lambda: guard.naming_for(task.name, args, kwargs)
             )
         except Exception:  # the child reports a bad key (or limit) function, visibly
             return False
         if named is None:  # too slow for here: the child asks
             return False
-        name, limit = named
-        sem = guard.semaphore(self.app, name, config, limit)
+        name, limit, share = named
+        sem = guard.semaphore(self.app, name, config, limit, share)
         if sem.min_replicas:
             return False
         run = permit_id_of(req)

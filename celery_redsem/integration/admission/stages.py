@@ -51,12 +51,17 @@ class Then(Enum):
 class PermitGuard(Protocol):
     """What admission asks of a semaphore guard."""
 
-    def name_and_limit(
+    def naming_for(
         self, task_name: str, args: tuple[Any, ...], kwargs: Any
-    ) -> tuple[str, int]: ...
+    ) -> tuple[str, int, tuple[str, float] | None]: ...
 
     def semaphore(
-        self, app: Celery, name: str, config: RedsemConfig | None = None, limit: int | None = None
+        self,
+        app: Celery,
+        name: str,
+        config: RedsemConfig | None = None,
+        limit: int | None = None,
+        share: tuple[str, float] | None = None,
     ) -> FairSemaphore: ...
 
     def max_wait_for(self, app_max_wait: float | None) -> float | None: ...

@@ -59,6 +59,9 @@ def with_semaphore(
     dedupe: bool | str = False,
     debounce: float | None = None,
     debounce_max: float | None = None,
+    fair_by: Callable[..., object] | None = None,
+    weight: float | Callable[..., object] = 1,
+    group_limit: int | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """At most ``limit`` runs of the task at once per key, across all workers.
 
@@ -89,6 +92,15 @@ def with_semaphore(
             passed (server clock) since the newest send for its key.
         debounce_max: bound on that wait, in seconds from the first send the run answers
             for (>= ``debounce``; default: none), for a stream that never goes quiet.
+        fair_by: who shares the limit: a callable of the task's arguments by name returning
+            the run's group (a str or int, ``fair_by=lambda account_id: account_id``). A free
+            permit then goes to the group with the smallest share served, FIFO within a group
+            (see :doc:`/fair-share`).
+        weight: with ``fair_by``, the group's weight (a number > 0, default 1), or a callable
+            of the task's arguments by name returning it: a group of weight 2 gets twice
+            the share of one of weight 1 while both wait.
+        group_limit: with ``fair_by``, at most this many runs of one group at once (an int
+            >= 1; default: no cap besides ``limit``).
     """
 
     options = {
@@ -101,6 +113,9 @@ def with_semaphore(
         "dedupe": dedupe,
         "debounce": debounce,
         "debounce_max": debounce_max,
+        "fair_by": fair_by,
+        "weight": weight,
+        "group_limit": group_limit,
     }
     return _GuardDecorator(options)
 
@@ -178,7 +193,7 @@ def with_lock(
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """One run of the task at a time per key: :func:`with_semaphore` with ``limit=1`` (and its
     keyword options: ``lease``, ``max_wait``, ``lost_lease_policy``, ``on_busy``, ``dedupe``,
-    ``debounce``, ``debounce_max``)."""
+    ``debounce``, ``debounce_max``, ``fair_by``, ``weight``, ``group_limit``)."""
     return with_semaphore(1, key, **options)
 
 

@@ -39,6 +39,7 @@ from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import SECONDS, Rule
 from celery_redsem.integration import wire
 from celery_redsem.integration.dedupe import coalesce, coalesce_run, run_mark
+from celery_redsem.integration.guards import sharing as fair
 from celery_redsem.integration.guards.base import Guard, guards_of
 from celery_redsem.integration.guards.contention import Contention
 from celery_redsem.integration.guards.endings import ON_BUSY, busy, skipped, try_once
@@ -75,6 +76,7 @@ class _Call:
     name: str
     limit: int
     config: RedsemConfig
+    share: fair.Share | None
 
 
 class GuardOptions(TypedDict, total=False):
@@ -89,6 +91,9 @@ class GuardOptions(TypedDict, total=False):
     dedupe: bool | str
     debounce: float | None
     debounce_max: float | None
+    fair_by: Callable[..., object] | None
+    weight: float | Callable[..., object]
+    group_limit: int | None
 
 
 class SemaphoreGuard(Guard, kind="permit"):
@@ -125,6 +130,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         self.debounce = coalesce.check_debounce(
             self.dedupe, options.get("debounce"), options.get("debounce_max"), where
         )
+        self.sharing: fair.Sharing | None = fair.sharing_of(fn, options, where)  # who shares
 
     def __repr__(self) -> str:
         return f"<SemaphoreGuard {self.where} limit={self.limits!r} key={self.key!r}>"
@@ -139,16 +145,27 @@ class SemaphoreGuard(Guard, kind="permit"):
         """The semaphore name and limit for one call."""
         return self.name_for(task_name, args, kwargs), self.limit_for(task_name, args, kwargs)
 
+    def naming_for(
+        self, task_name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[str, int, fair.Share | None]:
+        """The semaphore name, limit, and group and weight (None: not shared fairly) of a call."""
+        share = fair.share_of(self.sharing, task_name, args, kwargs)
+        return (*self.name_and_limit(task_name, args, kwargs), share)
+
     def semaphore(
-        self, app: Celery, name: str, config: RedsemConfig | None = None, limit: int | None = None
+        self,
+        app: Celery,
+        name: str,
+        config: RedsemConfig | None = None,
+        limit: int | None = None,
+        share: fair.Share | None = None,
     ) -> FairSemaphore:
-        """The semaphore ``name`` with ``limit`` (default: this guard's fixed limit) and the
-        app's settings."""
+        """The semaphore ``name`` with ``limit`` (default: the fixed one), asking in ``share``."""
         config = config or get_config(app)
         limit = self.limit if limit is None else limit
         if limit is None:
             raise ConfigurationError(f"{self!r} computes its limit per call: pass limit=")
-        return _semaphore(
+        sem = _semaphore(
             get_client(app),
             name,
             limit,
@@ -157,7 +174,9 @@ class SemaphoreGuard(Guard, kind="permit"):
             prefix=config.key_prefix,
             min_replicas=config.min_replicas,
             replica_timeout=config.replica_timeout,
+            **fair.fair_settings(self.sharing),
         )
+        return sem if share is None else sem.in_group(*share)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -168,8 +187,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         app = task.app if task is not None else self._app_of_direct_call()
         task_name = task.name if task is not None and ours else self.fn.__qualname__
         config = get_config(app)
-        name = self.name_for(task_name, args, kwargs)
-        limit = self.limit_for(task_name, args, kwargs)
+        name, limit, share = self.naming_for(task_name, args, kwargs)
         outer = held_by_caller(name, config.key_prefix, limit)
         if outer is not None:
             # Re-entrant: a guarded call running in this thread holds this semaphore already,
@@ -180,7 +198,7 @@ class SemaphoreGuard(Guard, kind="permit"):
                 raise outer.lost_error()
             return self.fn(*args, **kwargs)
         request = task.request if task is not None and ours else None
-        call = _Call(task, request, app, task_name, name, limit, config)
+        call = _Call(task, request, app, task_name, name, limit, config, share)
         mark = self._run_mark(call)
         if mark is not None and request is not None and (other := mark.claim(request)):
             return self._duplicate(call, other)
@@ -245,7 +263,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         got: tuple[FairSemaphore, Permit | None, float | None]
         try:
             if request is None or request.called_directly or request.is_eager:
-                sem = self.semaphore(call.app, call.name, call.config, call.limit)
+                sem = self.semaphore(call.app, call.name, call.config, call.limit, call.share)
                 pid = permit_id_of(request) if request is not None and request.id else None
                 got = sem, self._acquire_blocking(sem, pid or uuid.uuid4().hex, call), None
             else:
@@ -273,7 +291,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         what = f"a permit of {name!r} (limit {call.limit})"
         ask = Contention(task, request, name, what, self.max_wait_for(config.max_wait), config)
         try:  # building a cluster client already talks to the cluster
-            sem = self.semaphore(task.app, name, config, call.limit)
+            sem = self.semaphore(task.app, name, config, call.limit, call.share)
         except BackendError as exc:
             ask.retry_after_error(exc, started=started)
         standby = wire.take_standby(request)
@@ -436,7 +454,7 @@ class SemaphoreGuard(Guard, kind="permit"):
         """End a run that another run of its key (``other``) makes a duplicate."""
         assert call.task is not None
         assert call.request is not None
-        sem = self.semaphore(call.app, call.name, call.config, call.limit)
+        sem = self.semaphore(call.app, call.name, call.config, call.limit, call.share)
         run_mark.end_duplicate(call.task, call.request, sem, other, self.dedupe)
 
 

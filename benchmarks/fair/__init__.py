@@ -1,0 +1,2 @@
+"""The fair-share benchmark: accounts sharing one limit, fair share against FIFO
+(``python -m benchmarks.fair``, ``make bench-fair``)."""

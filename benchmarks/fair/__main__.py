@@ -1,0 +1,257 @@
+"""Fair share by account: a grouped semaphore against a FIFO one, two prefork workers.
+
+Run with ``python -m benchmarks.fair [--counts 300,300,30] [--hold S] [--brokers redis,amqp]``.
+The workload is issue 40's acceptance: accounts a, b and c send 300, 300 and 30 tasks, in that
+order, all at once, to a task under one shared limit of 4 (:mod:`benchmarks.fair.app`), through
+two real ``celery worker -P prefork -c 4`` processes, once per variant:
+
+* ``fifo``: ``@with_semaphore(4, key=...)``, one line in arrival order;
+* ``fair 1:1:1`` and ``fair 2:1:1``: ``fair_by`` the account, with those weights;
+* ``capped``: fair 1:1:1 with ``group_limit=2``.
+
+Each body start is stamped with the Redis server's clock. Printed per variant: each account's
+share of the starts while all three have waiters (from c's first send to c's last start)
+against its weighted share (target: within 0.05), the time from c's first send to its last
+start against the ideal at its fair share of the measured throughput (and FIFO's), throughput
+against FIFO's (target: >= 0.95), the most runs at once (target: <= 4) and of one account
+(capped: <= 2), and contention retries through the broker. RabbitMQ (``amqp``) is skipped with
+a printed line when nothing answers at ``--amqp-url``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, drop_queue, host_line
+from benchmarks._server import bench_server, delete_prefix, unique_prefix
+from benchmarks.fair.app import GROUP_LIMIT, LIMIT, make_app, worker_environ
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_APP = "benchmarks.fair.worker"  # what the workers' ``celery -A`` loads
+ACCOUNTS = ("a", "b", "c")
+#: (label, task variant, weights of a, b, c)
+VARIANTS = (
+    ("fifo", "fifo", (1.0, 1.0, 1.0)),
+    ("fair 1:1:1", "fair", (1.0, 1.0, 1.0)),
+    ("fair 2:1:1", "fair", (2.0, 1.0, 1.0)),
+    ("capped", "capped", (1.0, 1.0, 1.0)),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one variant got."""
+
+    label: str
+    weights: tuple[float, ...]
+    shares: dict[str, float]  # of the starts while every account waits
+    small_took: float  # c's first send to its last start, seconds
+    rate: float  # starts a second, first start to last
+    most: int  # runs at once, all accounts
+    most_one: int  # runs at once of one account
+    trips: int  # contention retries through the broker
+    failed: int
+    timeline: dict[str, str]  # per account: its starts over time (see _timeline)
+
+    def deviation(self) -> float:
+        total = sum(self.weights)
+        ideal = {a: w / total for a, w in zip(ACCOUNTS, self.weights, strict=True)}
+        return max(abs(self.shares[a] - ideal[a]) for a in ACCOUNTS)
+
+    def small_ideal(self, count: int) -> float:
+        """c's tasks at its weighted share of this run's throughput."""
+        return count / (self.rate * self.weights[2] / sum(self.weights))
+
+
+def _workers(broker: Broker, url: str, prefix: str, hold: float) -> list[Any]:
+    env = {**os.environ, **worker_environ(url, broker.url, prefix, hold), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "celery", "-A", WORKER_APP, "worker"]
+    options = ["-P", "prefork", "-c", "4", "-l", "WARNING", "--without-gossip"]
+    return [
+        subprocess.Popen(
+            [*command, *options, "--without-mingle", "-n", f"fair{n}-{prefix}@%h"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for n in range(2)
+    ]
+
+
+def _stop(workers: list[Any]) -> None:
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait(10)
+
+
+def run_variant(broker: Broker, url: str, label: str, variant: str, weights: Any, args: Any) -> Run:
+    """One variant on fresh workers."""
+    prefix = unique_prefix()
+    bench = make_app(url, broker.url, prefix, args.hold)
+    client = redis.Redis.from_url(url)
+    workers = _workers(broker, url, prefix, args.hold)
+    try:
+        deadline = time.monotonic() + 60
+        while len(bench.control.ping(timeout=0.5) or []) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the two workers did not answer a ping within 60 s")
+        task = bench.tasks[f"bench.{variant}"]
+        results, small_sent = [], 0.0
+        for account, count, weight in zip(ACCOUNTS, args.counts, weights, strict=True):
+            if account == "c":
+                seconds, micros = client.time()
+                small_sent = seconds + micros / 1e6
+            results += [task.delay(account, weight) for _ in range(count)]
+        failed = 0
+        for result in results:
+            with contextlib.suppress(Exception):
+                result.get(timeout=sum(args.counts) * args.hold * 3 + 120, propagate=False)
+            failed += result.state != "SUCCESS"
+        raw: list[bytes] = client.lrange(f"{prefix}:starts:{variant}", 0, -1)  # type: ignore[assignment]
+        rows = sorted((float(t), a.decode(), int(c)) for t, a, c in (v.split() for v in raw))
+        small_last = max(t for t, a, _ in rows if a == "c")
+        window = [a for t, a, _ in rows if small_sent <= t <= small_last]
+        shares = {a: window.count(a) / max(1, len(window)) for a in ACCOUNTS}
+        top = f"{prefix}:max:{variant}"
+        return Run(
+            label=label,
+            weights=tuple(weights),
+            shares=shares,
+            small_took=small_last - small_sent,
+            rate=(len(rows) - 1) / max(1e-9, rows[-1][0] - rows[0][0]),
+            most=int(client.get(top) or 0),
+            most_one=max(int(client.get(f"{top}:{a}") or 0) for a in ACCOUNTS),
+            trips=sum(c for _, _, c in rows),
+            failed=failed,
+            timeline=_timeline(rows),
+        )
+    finally:
+        _stop(workers)
+        if not broker.is_redis:
+            drop_queue(bench, prefix)
+        delete_prefix(client, prefix)
+        client.close()
+        bench.close()
+
+
+#: Starts of an account in one slice of the run, as a share of the most starts in any slice.
+_SHADES = " .:-=+*#"
+_SLICES = 60
+
+
+def _timeline(rows: list[tuple[float, str, int]]) -> dict[str, str]:
+    """Per account, a line of :data:`_SLICES` characters, one per slice of the run (first
+    start to last): how many of its tasks started then (" " none ... "#" the most)."""
+    first, span = rows[0][0], max(1e-9, rows[-1][0] - rows[0][0])
+    counts = {a: [0] * _SLICES for a in ACCOUNTS}
+    for t, account, _ in rows:
+        counts[account][min(_SLICES - 1, int((t - first) / span * _SLICES))] += 1
+    top = max(max(c) for c in counts.values())
+    scale = len(_SHADES) - 1
+    return {a: "".join(_SHADES[-(-n * scale // top)] for n in counts[a]) for a in ACCOUNTS}
+
+
+def _report(runs: list[Run], args: Any) -> bool:
+    """Print a row per variant, then each target with MET or MISSED; True if all were met."""
+    print(
+        f"{'variant':10s}  {'share a':>7s}  {'share b':>7s}  {'share c':>7s}  {'dev':>5s}  "
+        f"{'c took':>6s}  {'c ideal':>7s}  {'starts/s':>8s}  {'x fifo':>6s}  {'most':>4s}  "
+        f"{'one':>3s}  {'trips':>5s}  failed"
+    )
+    fifo = runs[0]
+    for r in runs:
+        s = r.shares
+        print(
+            f"{r.label:10s}  {s['a']:7.3f}  {s['b']:7.3f}  {s['c']:7.3f}  {r.deviation():5.3f}  "
+            f"{r.small_took:6.2f}  {r.small_ideal(args.counts[2]):7.2f}  {r.rate:8.1f}  "
+            f"{r.rate / fifo.rate:6.2f}  {r.most:4d}  {r.most_one:3d}  {r.trips:5d}  {r.failed}"
+        )
+    print("starts over time (first start to last), per account:")
+    for r in runs:
+        for account in ACCOUNTS:
+            print(f"  {r.label:10s} {account} |{r.timeline[account]}|")
+    checks = []
+    for r in runs[1:]:
+        checks += [
+            (
+                f"{r.label}: shares within 0.05 of the weighted",
+                r.deviation() <= 0.05,
+                r.deviation(),
+            ),
+            (
+                f"{r.label}: throughput >= 0.95 x fifo",
+                r.rate >= 0.95 * fifo.rate,
+                r.rate / fifo.rate,
+            ),
+            (f"{r.label}: c done sooner than fifo", r.small_took < fifo.small_took, r.small_took),
+        ]
+    checks += [(f"{r.label}: at most {LIMIT} at once", r.most <= LIMIT, r.most) for r in runs]
+    capped = runs[-1]
+    checks.append(
+        ("capped: at most 2 of one account", capped.most_one <= GROUP_LIMIT, capped.most_one)
+    )
+    checks.append(("no task failed", not any(r.failed for r in runs), sum(r.failed for r in runs)))
+    # (Not a target for capped: the last account left runs at most GROUP_LIMIT at once.)
+    checks = [c for c in checks if c[0] != "capped: throughput >= 0.95 x fifo"]
+    for name, met, figure in checks:
+        print(f"  {'MET   ' if met else 'MISSED'} {name}: {figure:.3g}")
+    return all(met for _, met, _ in checks)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fair", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--counts", default="300,300,30", help="tasks of a, b, c (300,300,30)")
+    parser.add_argument("--hold", type=float, default=0.02, help="body seconds (0.02)")
+    parser.add_argument("--brokers", default="redis,amqp", metavar="redis,amqp")
+    parser.add_argument("--amqp-url", default=AMQP_URL, help="RabbitMQ (default: %(default)s)")
+    args = parser.parse_args()
+    args.counts = [int(n) for n in args.counts.split(",")]
+    if len(args.counts) != len(ACCOUNTS):
+        parser.error("--counts takes three numbers")
+    with contextlib.suppress(AttributeError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    met = True
+    with bench_server() as server:
+        embedded = ", embedded" if server.embedded else ""
+        for name in args.brokers.split(","):
+            broker: Broker | str = (
+                Broker("redis", server.url, server.version + embedded)
+                if name == "redis"
+                else amqp_broker(args.amqp_url)
+            )
+            if isinstance(broker, str):
+                print(f"\n[{name}] skipped: {broker}")
+                continue
+            print(f"\n== fair share [broker {broker.name}] ==")
+            print(host_line(broker, server.version + embedded))
+            print(
+                f"a, b, c send {', '.join(map(str, args.counts))} tasks in that order, limit "
+                f"{LIMIT}, bodies {args.hold:g}s, two workers -c 4; "
+                f"{time.strftime('%Y-%m-%d %H:%M')}"
+            )
+            runs = [run_variant(broker, server.url, *v, args) for v in VARIANTS]
+            met = _report(runs, args) and met
+    print(f"\nsummary: {'every target MET' if met else 'a target MISSED'}")
+    return 0  # a measurement, not a test: exit 0 whether or not a target is met
+
+
+if __name__ == "__main__":
+    sys.exit(main())
