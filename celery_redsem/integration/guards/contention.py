@@ -161,6 +161,17 @@ class Contention:
             f"position {result.position} in line",
         )
 
+    def try_once(self, sem: FairSemaphore, *, started: float) -> Permit | None:
+        """One try for a permit, not joining the line (``on_busy`` not "wait"): None if none
+        is free. A paused key is not a busy one: the run is retried to the pause's end."""
+        try:
+            result = sem.attempt(permit_id_of(self.request))
+        except BackendError as exc:
+            self.retry_after_error(exc, started=started)
+        if isinstance(result, Waiting) and result.paused:
+            raise self.retry_paused(result.paused, f"semaphore {sem.name!r} is paused")
+        return result if isinstance(result, Permit) else None
+
     def _unless_paused(self, sem: FairSemaphore, result: Waiting) -> None:
         """Re-publish the run for the end of ``sem``'s pause (raises ``Retry``) if it is paused;
         the wait starts anew after it (a pause does not count toward ``max_wait``)."""

@@ -34,7 +34,7 @@ from celery_redsem.core.client import RedisClient, socket_timeout
 from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError
 from celery_redsem.core.heartbeat import HeldPermit, LeaseInterrupt, get_heartbeat
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.core.permits import Permit, Waiting
+from celery_redsem.core.permits import Permit
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.core.validation import SECONDS, Rule
 from celery_redsem.integration import wire
@@ -306,13 +306,7 @@ class SemaphoreGuard(Guard, kind="permit"):
             if standby:  # the main process held its acknowledgement back until now
                 wire.tell_granted(str(request.id))
             return sem, granted, None
-        try:
-            result = sem.attempt(permit_id_of(request))
-        except BackendError as exc:
-            ask.retry_after_error(exc, started=started)
-        if isinstance(result, Waiting) and result.paused:  # paused, not busy: it waits
-            raise ask.retry_paused(result.paused, f"semaphore {name!r} is paused")
-        permit = result if isinstance(result, Permit) else None
+        permit = ask.try_once(sem, started=started)
         if permit is None and self.on_busy == "fail":
             raise busy(task.name, request.id, sem)
         return sem, permit, None
