@@ -74,9 +74,7 @@ def test_status_shows_windows_units_left_and_pauses(
 ) -> None:
     limiter = RateLimiter(redis_client, "llm:7", ["1/m", "100/d"], burst=[5, 100], prefix=prefix)
     assert limiter.attempt(cost=3)
-    assert (
-        run(app, "pause", "llm:7", "120").output == "Rate limiter llm:7 is paused for 120.000s.\n"
-    )
+    assert run(app, "pause", "llm:7", "120").output == "llm:7 is paused for 120.000s.\n"
     assert run(app, "pause", "idle:1", "60").exit_code == 0  # paused before its first start
     out = run(app, "status").output
     assert re.search(
@@ -94,7 +92,7 @@ def test_status_shows_windows_units_left_and_pauses(
     assert not limiter.attempt()
     inspected = run(app, "inspect", "llm:7").output
     assert f"key     {prefix}:{{llm:7}}:pause  (expires in 1" in inspected
-    assert run(app, "resume", "llm:7").output == "Rate limiter llm:7 is not paused.\n"
+    assert run(app, "resume", "llm:7").output == "llm:7 is not paused.\n"
     assert "PAUSED" not in run(app, "status", "llm:7").output
     assert limiter.attempt()
 
@@ -105,3 +103,19 @@ def test_pause_takes_a_number_of_seconds(app: Celery) -> None:
         assert result.exit_code == 2, (bad, result.output)
         assert "SECONDS" in result.output
     assert run(app, "pause", "a{b}", "1").exit_code == 1  # not a usable name: said so
+
+
+def test_pause_and_resume_a_semaphore(app: Celery, redis_client: redis.Redis, prefix: str) -> None:
+    sem = FairSemaphore(redis_client, "pdf:3", 2, prefix=prefix)
+    held = sem.acquire(permit_id="held")
+    assert held is not None
+    assert run(app, "pause", "pdf:3", "90").output == "pdf:3 is paused for 90.000s.\n"
+    assert sem.acquire() is None  # nothing granted meanwhile
+    out = run(app, "status").output
+    assert re.search(
+        r"pdf:3  limit 2  held 1/2  waiting 0  last token \d+  PAUSED [89]\d\.\ds", out
+    )
+    assert re.search(r"PAUSED [89]\d\.\ds", run(app, "inspect", "pdf:3").output)
+    assert run(app, "resume", "pdf:3").output == "pdf:3 is not paused.\n"
+    assert "PAUSED" not in run(app, "status", "pdf:3").output
+    assert sem.acquire() is not None

@@ -30,7 +30,7 @@ from celery_redsem.core.permits import (
     Waiting,
 )
 from celery_redsem.core.refresh import refresh_args, renewed
-from celery_redsem.core.scripts import REFRESH, STATE
+from celery_redsem.core.scripts import PAUSE, REFRESH, STATE
 from celery_redsem.core.semaphore_spec import AttemptOptions, CommonOptions, SemaphoreSpec, naming
 from celery_redsem.core.state import GroupInfo, groups_from_reply, state_from_reply
 
@@ -121,7 +121,7 @@ class FairSemaphore(SemaphoreSpec):
                 result = await self.attempt(pid, join_line=blocking, group=group, weight=weight)
                 if isinstance(result, Permit):
                     return result, sent
-                wait = self._next_wait(deadline) if blocking else None
+                wait = self._next_wait(deadline, result.paused) if blocking else None
                 if wait is None:
                     if blocking:  # leave the line
                         await self.release(pid)
@@ -202,6 +202,15 @@ class FairSemaphore(SemaphoreSpec):
         return fresh
 
     # -- looking -------------------------------------------------------------------------------
+
+    async def pause(self, seconds: float) -> float:
+        """Grant nothing for ``seconds`` (see :meth:`celery_redsem.FairSemaphore.pause`)."""
+        keys, args = [self.keys.pause], self.pause_args(seconds)
+        return int(await run_script(PAUSE, self.client, keys, args, self.name)) / 1000
+
+    async def resume(self) -> None:
+        """End a pause now (nothing happens if there is none)."""
+        await self.pause(0)
 
     async def state(self) -> SemaphoreState:
         """A consistent snapshot: holders by lease expiry, waiters in line order."""

@@ -46,12 +46,15 @@ class Waiting:
 
     ``position`` is 0 when the caller asked only to try and did not join the line.
     ``expires_at`` is when the place is given up unless the caller comes back (server ms).
+    ``paused`` is how many seconds the name stays paused (then ``position`` is 0): nothing is
+    granted until then.
     """
 
     id: str
     name: str
     position: int
     expires_at: int
+    paused: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,10 @@ from celery_redsem.core.refresh import refresh_permits
 from celery_redsem.core.replication import connected_replicas, forget_primary, run_acknowledged
 from celery_redsem.core.scripts import (
     ACQUIRE,
+    PAUSE,
     LuaScript,
     as_text,
+    run_script,
     script_failed,
 )
 from celery_redsem.core.semaphore_spec import (
@@ -323,7 +325,7 @@ class FairSemaphore(SemaphoreSpec):
                 result = self.attempt(pid, join_line=True, group=group, weight=weight)
                 if isinstance(result, Permit):
                     return result
-                wait = self._next_wait(deadline)
+                wait = self._next_wait(deadline, result.paused)
                 if wait is None:
                     self.release(pid)
                     return None
@@ -421,6 +423,19 @@ class FairSemaphore(SemaphoreSpec):
         return result.refreshed[0]
 
     # -- looking -------------------------------------------------------------------------------
+
+    def pause(self, seconds: float) -> float:
+        """Grant nothing for ``seconds`` (0: :meth:`resume`), one round trip; a longer pause
+        already set stays. Holders keep (and renew) their permits, waiters their places; an
+        attempt meanwhile gets a :class:`Waiting` whose ``paused`` says how long is left. The
+        pause is the name's: it holds the rate limiter of this name too. Returns the seconds
+        the name stays paused."""
+        keys, args = [self.keys.pause], self.pause_args(seconds)
+        return int(run_script(PAUSE, self.client, keys, args, self.name)) / 1000
+
+    def resume(self) -> None:
+        """End a pause now (nothing happens if there is none)."""
+        self.pause(0)
 
     def state(self) -> SemaphoreState:
         """A consistent snapshot: holders by lease expiry, waiters in line order."""

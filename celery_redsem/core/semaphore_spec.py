@@ -20,6 +20,7 @@ from celery_redsem.core.fair_share import FairShare
 from celery_redsem.core.keys import DEFAULT_PREFIX, SemaphoreKeys
 from celery_redsem.core.permit_ids import MAX_PERMIT_ID_LENGTH, new_permit_id
 from celery_redsem.core.permits import Permit, Waiting
+from celery_redsem.core.rate_spec import pause_args
 from celery_redsem.core.scripts import LuaScript
 from celery_redsem.core.validation import (
     LIMIT,
@@ -206,12 +207,15 @@ class SemaphoreSpec:
         )
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
-        """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not."""
+        """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not
+        (``[0, 0, pause ms]`` while the name is paused)."""
         if type(reply) is str:  # decode_responses=True
             reply = reply.encode()
         if type(reply) is bytes:
             token, _, expires_at = reply.partition(b":")
             return Permit(pid, self.name, int(token), int(expires_at), self.lease, self._prefix)
+        if len(reply) > 2:
+            return Waiting(pid, self.name, 0, 0, int(reply[2]) / 1000)
         position, expires_at = reply
         return Waiting(pid, self.name, int(position), int(expires_at))
 
@@ -261,13 +265,18 @@ class SemaphoreSpec:
             )
         return self._clock() + timeout
 
-    def _next_wait(self, deadline: float | None) -> float | None:
+    def _next_wait(self, deadline: float | None, paused: float = 0.0) -> float | None:
         """Seconds to wait for a wake-up before the next attempt, or None: time is up. A round
-        lasts at most a third of the waiter lease, so the place in line never lapses."""
+        lasts at most a third of the waiter lease, so the place in line never lapses; while the
+        name is paused (``paused`` seconds more), until the pause ends if that is sooner."""
         remaining = math.inf if deadline is None else deadline - self._clock()
         if remaining <= 0:
             return None
-        return min(remaining, self.waiter_lease / 3)
+        return min(remaining, self.waiter_lease / 3, paused or math.inf)
+
+    def pause_args(self, seconds: float) -> list[Any]:
+        """The arguments of ``pause.lua`` for pausing this name ``seconds`` (0: resume)."""
+        return pause_args(self.name, seconds)
 
     # -- errors --------------------------------------------------------------------------------
 

@@ -87,7 +87,7 @@ def wait_in_slot(
                 f"Redis failed while waiting for {sem.name!r}: {exc}", name=sem.name
             ) from exc
         again = attempt(sem, permit_id, waiter_lease=waiter_lease)
-        if isinstance(again, Permit):
+        if isinstance(again, Permit) or again.paused:  # (paused: waiting here is no use)
             return again
         result = again
 

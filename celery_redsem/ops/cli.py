@@ -117,7 +117,7 @@ def _print_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _summary_line(ctx: click.Context, state: SemaphoreState) -> str:
+def _summary_line(ctx: click.Context, state: SemaphoreState, paused: float = 0.0) -> str:
     limit = "?" if state.limit is None else str(state.limit)
     held = f"{len(state.holders)}/{limit}"
     full = state.limit is not None and len(state.holders) >= state.limit
@@ -125,7 +125,7 @@ def _summary_line(ctx: click.Context, state: SemaphoreState) -> str:
         f"{_style(ctx, _shown(state.name), bold=True)}  limit {limit}  "
         f"held {_style(ctx, held, fg='yellow' if full else 'green')}  "
         f"waiting {len(state.waiters)}  last token {state.last_token or '-'}"
-    )
+    ) + (_style(ctx, f"  PAUSED {paused:.1f}s", fg="red") if paused else "")
 
 
 def _rate_line(ctx: click.Context, state: RateState) -> str:
@@ -319,8 +319,9 @@ def status(
         if not limiters and not runs:
             click.echo(_none_found(target, name, glob))
         return
+    pauses = {limiter.name: limiter.paused for limiter in limiters}
     for state in found:
-        click.echo(_summary_line(ctx, state))
+        click.echo(_summary_line(ctx, state, pauses.get(state.name, 0.0)))
         waiting = group_lines(groups[state.name], _shown) or _waiter_lines(state, max_waiters)
         for line in _holder_lines(state) + waiting:
             click.echo(line)
@@ -355,7 +356,7 @@ def inspect(ctx: click.Context, name: str, as_json: bool) -> None:
             }
         )
     if exists and not as_json:
-        click.echo(_summary_line(ctx, state))
+        click.echo(_summary_line(ctx, state, limiter.paused))
         _echo_ttls(ttls)
         click.echo(f"  holders ({len(state.holders)}, soonest lease end first)")
         click.echo("\n".join(_holder_lines(state)) or "    none")
@@ -435,24 +436,23 @@ def release(ctx: click.Context, name: str, permit_id: str, as_json: bool) -> Non
 @click.argument("seconds", type=click.FloatRange(min=0, min_open=True, max=MAX_SECONDS))
 @click.pass_context
 def pause(ctx: click.Context, name: str, seconds: float) -> None:
-    """Admit no start of the rate limiter NAME for SECONDS, on any worker (a longer pause
-    already set stays). Its tasks wait, parked or retried (max_retries untouched), and start
-    once it ends or `resume` ends it; none fails. Other names are untouched. (Semaphores are
-    not paused by it.)"""
+    """Admit no start of NAME (rate limiter and semaphore) for SECONDS on any worker (a longer
+    pause stays). Holders keep their permits; tasks wait, parked or retried (max_retries
+    untouched), until it ends or `resume` ends it; none fails. Other names are untouched."""
     target = _target(ctx)
     left = _run(lambda: pause_rate_limiter(target.client, name, seconds, prefix=target.prefix))
-    click.echo(f"Rate limiter {_shown(name)} is paused for {left:.3f}s.")
+    click.echo(f"{_shown(name)} is paused for {left:.3f}s.")
 
 
 @redsem.command()
 @click.argument("name")
 @click.pass_context
 def resume(ctx: click.Context, name: str) -> None:
-    """End a pause of the rate limiter NAME now (its waiting tasks ask again within
-    redsem_retry_backoff_max seconds)."""
+    """End a pause of NAME (its rate limiter and its semaphore) now (its waiting tasks ask
+    again within redsem_retry_backoff_max seconds)."""
     target = _target(ctx)
     _run(lambda: pause_rate_limiter(target.client, name, 0, prefix=target.prefix))
-    click.echo(f"Rate limiter {_shown(name)} is not paused.")
+    click.echo(f"{_shown(name)} is not paused.")
 
 
 @redsem.command(name="purge")

@@ -124,7 +124,9 @@ def test_an_eager_body_charges_its_own_key(app: Celery, client: redis.Redis) -> 
 
 
 def test_pause_and_retry_outside_a_worker_says_why(app: Celery, client: redis.Redis) -> None:
-    with pytest.raises(ConfigurationError, match="in the body of a @with_rate_limit task"):
+    with pytest.raises(
+        ConfigurationError, match="in the body of a @with_rate_limit or @with_semaphore task"
+    ):
         pause_and_retry(1)
     key, prefix = uuid.uuid4().hex[:10], app.conf.redsem_key_prefix
     with pytest.raises(ConfigurationError, match="eager or direct call cannot be queued again"):

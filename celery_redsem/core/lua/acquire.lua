@@ -18,6 +18,8 @@
 --                                             renewed; with ':1' asked, that renewal ends in
 --                                             ':renewed')
 --         {position, waiter expiry ms}   not granted; position is 1-based, 0 if not in line
+--         {0, 0, pause ms}               not granted: the name is paused (pause.lua) for
+--                                        that long; holders renew, places in line are kept
 -- (A grant is one status string, not a table or a bulk string: it is the reply parsed on every
 -- task start, and a status line is the cheapest for a client to read.)
 --
@@ -64,6 +66,8 @@ if not (back_in and limit >= 1 and limit <= MAX_COUNT and lease <= MAX_MS
   return redis.error_reply('ERR acquire.lua: settings out of bounds or malformed: ' .. ARGV[1])
 end
 local half_idle = math.floor(idle_ttl / 2)
+-- Paused (pause.lua closed the fast path's gate; it stays closed until the pause ends).
+local paused = redis.call('PTTL', string.sub(holders, 1, #holders - 7) .. 'pause')
 local queued, horizon, ticket = unpack(redis.call('HMGET', holders, ':queued', ':horizon', ':ticket'))
 local fresh = not fence
 fence, queued, gate = tonumber(fence or 0), tonumber(queued or 0), tonumber(gate or 0)
@@ -73,7 +77,7 @@ local seen_queued, seen_next, seen_ticket = queued, next_expiry, ticket
 -- ':gate' for a hash that expires at `new_horizon`: the fast path is open for leases ending
 -- by then less half an idle TTL, unless someone waits or no holder's expiry is known.
 local function gate_for(new_horizon)
-  if queued == 0 and next_expiry ~= 0 then
+  if queued == 0 and next_expiry ~= 0 and paused <= 0 then
     return new_horizon - half_idle
   end
   return 0
@@ -118,6 +122,9 @@ if mine then
     return {ok = entry}
   end
   redis.call('HDEL', holders, id)
+end
+if paused > 0 then
+  return {0, 0, paused}
 end
 
 local held = fresh and 0 or redis.call('HLEN', holders) - COUNTERS

@@ -11,7 +11,8 @@
 -- Returns as acquire.lua: status '<token>:<lease expiry ms>' if granted (or already held:
 -- same token, lease renewed, ':renewed' appended if ':1' asked), else {position, waiter
 -- expiry ms} (position: 1 + groups served before the caller's group + waiters ahead in it
--- times the groups waiting / its weight: about how many grants come first; 0 if not in line).
+-- times the groups waiting / its weight: about how many grants come first; 0 if not in line),
+-- or {0, 0, pause ms} while the name is paused (holders still renew).
 --
 -- Granted when a permit is free, the caller's group holds fewer than the group limit, no
 -- present waiter of its group comes before it (waiters away on their back in do not count),
@@ -72,6 +73,10 @@ if mine then
     f.keep(f.fh, expires + idle_ttl)
     return {ok = mark == '1' and entry .. ':renewed' or entry}
   end
+end
+local paused = redis.call('PTTL', string.sub(holders, 1, #holders - 7) .. 'pause')
+if paused > 0 then
+  return {0, 0, paused}
 end
 if owner and owner ~= group then -- it held or waited in another group: that is over
   f.leave(owner, id)

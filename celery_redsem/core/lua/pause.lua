@@ -1,9 +1,12 @@
--- pause: hold every start of one name (a rate limiter's) for a while, or resume it.
+-- pause: hold every start of one name (its rate limiter's and its semaphore's) for a while, or
+-- resume it.
 --
 -- KEYS[1] pause  HASH    'until': when the name's pause ends (server ms); the key expires
 --                        then: gcra.lua admits and books nobody while it exists (a hash and
 --                        PEXPIRE, not SET: the documented ACL rule allows them already)
 -- KEYS[2] line   ZSET    the rate limiter's (gcra.lua), or absent
+-- The semaphore's holders hash (derived, same hash tag) gets ':gate' 0 if it exists, closing
+-- acquire.lua's fast path: its slow path reads the pause key and grants nothing meanwhile.
 -- ARGV[1] milliseconds to pause for (1 .. MAX_MS), or 0 to resume (delete the key)
 -- ARGV[2] a permit id whose admission the line forgets ('' for none): a run that pauses the
 --         name (its call was refused, as with HTTP 429) and asks again later takes a new unit
@@ -25,6 +28,10 @@ end
 local left = redis.call('PTTL', KEYS[1])
 if left >= ms then
   return left
+end
+local holders = string.sub(KEYS[1], 1, #KEYS[1] - 5) .. 'holders'
+if redis.call('HGET', holders, ':gate') then
+  redis.call('HSET', holders, ':gate', 0)
 end
 local now = server_now()
 redis.call('HSET', KEYS[1], 'until', fmt(now + ms))

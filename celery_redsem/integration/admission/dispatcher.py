@@ -49,6 +49,7 @@ from celery_redsem.integration.admission.stages import (
 )
 from celery_redsem.integration.admission.standby import GrantNotices, Standbys
 from celery_redsem.integration.admission.wiring import wire
+from celery_redsem.integration.guards.contention import paused_recheck
 from celery_redsem.integration.guards.naming import call_arguments
 from celery_redsem.integration.line import release_quietly, server_ms
 from celery_redsem.integration.policy import (
@@ -379,6 +380,8 @@ class Admission:
             tries=tries,
             longest=candidate.longest,
         )
+        if result.paused:  # parked to the pause's end (asking again at least this often)
+            park, first_ms = min(result.paused, paused_recheck(candidate.config)), now_ms
         waited = (now_ms - first_ms) / 1000
         max_wait = candidate.guard.max_wait_for(candidate.config.max_wait)
         if max_wait is not None:
@@ -397,7 +400,7 @@ class Admission:
                 stamp_wait_began(req.request_dict, first_ms)
                 self._settle(candidate, None)
             return
-        if self._stand_by(candidate, result):
+        if not result.paused and self._stand_by(candidate, result):
             stamp_wait_began(req.request_dict, first_ms)
             return
         park = min(park, max(MIN_PARK, candidate.longest - held_for))

@@ -15,6 +15,10 @@ When Redis cannot be reached (a :class:`~celery_redsem.BackendError` that is
 exponential backoff counted apart in the header; that time counts toward ``max_wait``, after
 which the task fails with the ``BackendError``. A refusal no retry can fix (a wrong password,
 a missing ACL permission, a script error) fails the task at once.
+
+While the key is paused (``pause``), the run is re-published for the pause's end, asking again
+at least every ``redsem_retry_backoff_max`` seconds (:func:`paused_recheck`) so a resume takes
+effect: whatever ``max_wait`` says (the pause does not count toward it), it fails none.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from celery.exceptions import Retry
 
 from celery_redsem.core.errors import AcquireTimeout, BackendError
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.core.permits import Permit
+from celery_redsem.core.permits import Permit, Waiting
 from celery_redsem.core.semaphore import FairSemaphore
 from celery_redsem.integration.line import attempt, release_quietly, server_ms, wait_in_slot
 from celery_redsem.integration.policy import (
@@ -44,7 +48,7 @@ from celery_redsem.integration.settings import RedsemConfig
 from celery_redsem.integration.wire import WaitState, headers_with_wait, read_wait
 from celery_redsem.metrics import record_timeout, record_wait
 
-__all__ = ["Contention"]
+__all__ = ["Contention", "paused_recheck"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ class Contention:
             return_delays.observe(queue, (now_ms - wait.due_ms) / 1000)
         if isinstance(result, Permit):
             return result
+        self._unless_paused(sem, result)
         # The first answer from Redis starts the wait, backdated by any time spent unable to
         # reach it before that.
         # (Never later than now: a header claiming so, forged or from a server whose clock
@@ -110,6 +115,7 @@ class Contention:
             )
             if isinstance(result, Permit):
                 return result
+            self._unless_paused(sem, result)
             now_ms = server_ms(result, waiter_lease)
             waited = max(0, now_ms - first_ms) / 1000
         if max_wait is not None and waited >= max_wait:
@@ -143,6 +149,7 @@ class Contention:
         )
         if isinstance(again, Permit):
             return again
+        self._unless_paused(sem, again)
         due_ms = now_ms + round(countdown * 1000)
         after = WaitState(wait.attempts + 1, first_ms, wait.errors, due_ms, 0)
         record_wait(task.name, "retry")
@@ -153,6 +160,37 @@ class Contention:
             reason=f"no permit of {sem.name!r} (limit {sem.limit}) yet; "
             f"position {result.position} in line",
         )
+
+    def try_once(self, sem: FairSemaphore, *, started: float) -> Permit | None:
+        """One try for a permit, not joining the line (``on_busy`` not "wait"): None if none
+        is free. A paused key is not a busy one: the run is retried to the pause's end."""
+        try:
+            result = sem.attempt(permit_id_of(self.request))
+        except BackendError as exc:
+            self.retry_after_error(exc, started=started)
+        if isinstance(result, Waiting) and result.paused:
+            raise self.retry_paused(result.paused, f"semaphore {sem.name!r} is paused")
+        return result if isinstance(result, Permit) else None
+
+    def _unless_paused(self, sem: FairSemaphore, result: Waiting) -> None:
+        """Re-publish the run for the end of ``sem``'s pause (raises ``Retry``) if it is paused;
+        the wait starts anew after it (a pause does not count toward ``max_wait``)."""
+        if result.paused:
+            reason = f"semaphore {sem.name!r} is paused for {result.paused:.3f}s"
+            raise self.retry_paused(result.paused, reason, restart_wait=True)
+
+    def retry_paused(self, left: float, reason: str, *, restart_wait: bool = False) -> Retry:
+        """The ``Retry`` of a run whose key stays paused ``left`` seconds more: re-published
+        for the pause's end (asking again at least every :func:`paused_recheck`) as a
+        contention retry, ``max_retries`` untouched; ``restart_wait``: its wait so far no
+        longer counts toward ``max_wait``."""
+        earlier = read_wait(self.request)
+        first_ms = 0 if restart_wait else earlier.first_ms
+        wait = earlier._replace(
+            attempts=earlier.attempts + 1, first_ms=first_ms, due_ms=0, offline_ms=0
+        )
+        countdown = min(left, paused_recheck(self.config))
+        return self.publish_retry(countdown, wait, release=None, reason=reason)
 
     def retry_after_error(self, error: BackendError, *, started: float) -> NoReturn:
         """Redis could not be reached (since monotonic time ``started``): retry through Celery
@@ -260,6 +298,12 @@ class Contention:
             when=cast(Any, countdown),
             sig=sig,
         )
+
+
+def paused_recheck(config: RedsemConfig) -> float:
+    """Seconds a run of a paused key waits at most before it asks again (parked, or through
+    the broker): ``redsem_retry_backoff_max`` (at least 1 s), so a resume takes effect."""
+    return max(1.0, config.retry_backoff_max)
 
 
 #: While Redis cannot be reached, one warning at most this often (seconds) per process; the

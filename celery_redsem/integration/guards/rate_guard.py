@@ -49,11 +49,11 @@ from celery.app.task import Context
 
 from celery_redsem.core.errors import AcquireTimeout, BackendError, ConfigurationError
 from celery_redsem.core.permit_ids import permit_id_of
-from celery_redsem.core.rate_limit import RateLimiter, RateResult
+from celery_redsem.core.rate_limit import RateLimiter, RateResult, pause_rate_limiter
 from celery_redsem.core.rate_spec import make_windows
 from celery_redsem.core.validation import count_rule
 from celery_redsem.integration.guards.base import Guard, guards_of
-from celery_redsem.integration.guards.contention import Contention
+from celery_redsem.integration.guards.contention import Contention, paused_recheck
 from celery_redsem.integration.guards.naming import (
     KeyFunction,
     LimitFunction,
@@ -230,36 +230,40 @@ def _booked(limiter: RateLimiter, guard: RateGuard, result: RateResult) -> str:
     )
 
 
-def paused_recheck(config: RedsemConfig) -> float:
-    """Seconds a run of a paused key waits at most before it asks again (parked, or through
-    the broker): ``redsem_retry_backoff_max`` (at least 1 s), so a resume takes effect."""
-    return max(1.0, config.retry_backoff_max)
-
-
 def pause_and_retry(seconds: float) -> NoReturn:
-    """From the body of a ``@with_rate_limit`` task in a worker whose call was refused for a
-    while (HTTP 429 with ``Retry-After: 30``): pause the run's key for ``seconds`` on every
-    worker (a longer pause already set stays), and queue this run again for the pause's end,
-    as a contention retry (``max_retries`` untouched). Its next start takes a new unit.
-    Raises Celery's ``Retry``; a ConfigurationError outside such a body, or in an eager or
-    direct call (the key is paused all the same when there is one)."""
+    """From the body of a ``@with_rate_limit`` or ``@with_semaphore`` task in a worker whose
+    call was refused for a while (HTTP 429 with ``Retry-After: 30``): pause the run's key (its
+    rate limiter's and its semaphore's name) for ``seconds`` on every worker (a longer pause
+    already set stays), and queue this run again for the pause's end, as a contention retry
+    (``max_retries`` untouched); its permit goes back as the run ends. Its next start takes a
+    new unit. Raises Celery's ``Retry``; a ConfigurationError outside such a body, or in an
+    eager or direct call (the key is paused all the same when there is one)."""
     task = cast("Task[Any, Any] | None", get_current_task())
     limiter = current_rate_limiter()
-    if task is None or limiter is None:
-        raise ConfigurationError("pause_and_retry() runs in the body of a @with_rate_limit task")
+    held = getattr(task.request, "redsem_permit", None) if task is not None else None
+    if task is None or (limiter is None and held is None):
+        raise ConfigurationError(
+            "pause_and_retry() runs in the body of a @with_rate_limit or @with_semaphore task"
+        )
     request = task.request
     permit_id = permit_id_of(request)
-    left = limiter.pause(seconds, forget=permit_id)
+    paused: list[tuple[str, str, float]] = []  # (name, what, seconds left)
+    if limiter is not None:
+        left = limiter.pause(seconds, forget=permit_id)
+        paused.append((limiter.name, f"rate limiter {limiter.name!r}", left))
+    if held is not None:
+        permit = held.permit
+        left = pause_rate_limiter(held.client, permit.name, seconds, prefix=permit.prefix)
+        paused.append((permit.name, f"semaphore {permit.name!r}", left))
+    name, what = paused[0][0], " and ".join(p[1] for p in paused)
+    left = max(p[2] for p in paused)
     if request.called_directly or request.is_eager:
         raise ConfigurationError(
-            f"pause_and_retry(): rate limiter {limiter.name!r} is paused for {left:.3f}s, but "
+            f"pause_and_retry(): {what} is paused for {left:.3f}s, but "
             "an eager or direct call cannot be queued again",
-            name=limiter.name,
+            name=name,
         )
     config = get_config(task.app)
-    ask = Contention(task, request, limiter.name, "a paused key", None, config)
-    earlier = read_wait(request)
-    wait = earlier._replace(attempts=earlier.attempts + 1, due_ms=0, offline_ms=0)
-    countdown = min(left, paused_recheck(config))
-    reason = f"the body paused rate limiter {limiter.name!r} for {left:.3f}s"
-    raise ask.publish_retry(countdown, wait, release=None, reason=reason)
+    ask = Contention(task, request, name, "a paused key", None, config)
+    reason = f"the body paused {what} for {left:.3f}s"
+    raise ask.retry_paused(left, reason)

@@ -306,10 +306,7 @@ class SemaphoreGuard(Guard, kind="permit"):
             if standby:  # the main process held its acknowledgement back until now
                 wire.tell_granted(str(request.id))
             return sem, granted, None
-        try:
-            permit = try_once(sem, permit_id_of(request))
-        except BackendError as exc:
-            ask.retry_after_error(exc, started=started)
+        permit = ask.try_once(sem, started=started)
         if permit is None and self.on_busy == "fail":
             raise busy(task.name, request.id, sem)
         return sem, permit, None
