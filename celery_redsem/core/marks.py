@@ -25,8 +25,9 @@ from celery_redsem.core.validation import SECONDS, validate_name, validate_prefi
 __all__ = ["Arguments", "CoalesceRecord", "CoalesceState", "Debounce", "Decision", "DedupeMark"]
 
 
-class DedupeMark:
-    """The de-duplication mark of semaphore ``name`` (under ``prefix``) on ``client``."""
+class _KeyRecord:
+    """What a semaphore ``name`` (under ``prefix``) keeps per key beside its permits, in its
+    dedupe hash (with its holders hash, under the same hash tag), on ``client``."""
 
     def __init__(self, client: RedisClient, name: str, *, prefix: str) -> None:
         self.client = client
@@ -35,7 +36,11 @@ class DedupeMark:
         self._keys = [keys.dedupe, keys.holders]
 
     def __repr__(self) -> str:
-        return f"<DedupeMark {self.name!r}>"
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class DedupeMark(_KeyRecord):
+    """The de-duplication mark of semaphore ``name`` (under ``prefix``) on ``client``."""
 
     def take(self, task_id: str, ttl: float) -> str:
         """Mark the name for ``task_id`` for ``ttl`` seconds unless another live run has it:
@@ -123,18 +128,9 @@ class CoalesceState:
     answers: int
 
 
-class CoalesceRecord:
+class CoalesceRecord(_KeyRecord):
     """The newest-wins record of semaphore ``name`` (``dedupe="coalesce"``): its running run
     and at most one pending run with the newest arguments, kept by ``coalesce.lua``."""
-
-    def __init__(self, client: RedisClient, name: str, *, prefix: str) -> None:
-        self.client = client
-        self.name = validate_name(name)
-        keys = SemaphoreKeys(validate_prefix(prefix), self.name)
-        self._keys = [keys.dedupe, keys.holders]
-
-    def __repr__(self) -> str:
-        return f"<CoalesceRecord {self.name!r}>"
 
     def send(
         self, task_id: str, arguments: Arguments, ttl: float, debounce: Debounce, *, own_id: bool
