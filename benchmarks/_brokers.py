@@ -21,7 +21,15 @@ from urllib.parse import urlsplit
 import celery
 from celery import Celery
 
-__all__ = ["AMQP_URL", "Broker", "amqp_broker", "drop_queue", "host_line"]
+__all__ = [
+    "AMQP_URL",
+    "Broker",
+    "amqp_broker",
+    "broker_leg",
+    "drop_queue",
+    "host_line",
+    "isolated_app",
+]
 
 AMQP_URL = os.environ.get("REDSEM_BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -57,6 +65,36 @@ def amqp_broker(url: str) -> Broker | str:
         return f"{host}:{port} answers but the connection failed: {exc!r}"
     product = _text(props.get("product", "amqp"))
     return Broker("amqp", url, f"{product} {_text(props.get('version', '?'))}")
+
+
+def broker_leg(name: str, redis_url: str, redis_version: str, amqp_url: str) -> Broker | str:
+    """The broker ``name`` (``redis``: the benchmark's own server at ``redis_url``; ``amqp``:
+    RabbitMQ at ``amqp_url``), or why it cannot be used."""
+    if name == "redis":
+        return Broker("redis", redis_url, redis_version)
+    return amqp_broker(amqp_url)
+
+
+def isolated_app(name: str, url: str, broker_url: str, prefix: str, **settings: Any) -> Celery:
+    """A benchmark's app whose run no other run sees: tasks go to the queue ``prefix`` and
+    control messages to the exchange ``prefix``; results and records stay on the Redis server
+    ``url`` under ``prefix`` (and the Redis broker's keys too). ``settings``: more of the app's
+    settings."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url,
+        result_backend=url,
+        task_default_queue=prefix,
+        control_exchange=prefix,
+        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+        broker_connection_retry_on_startup=True,
+        redsem_key_prefix=prefix,
+        worker_hijack_root_logger=False,
+        **settings,
+    )
+    if not broker_url.startswith("amqp"):
+        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
+    return app
 
 
 def _text(value: object) -> str:

@@ -12,7 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, host_line
+from benchmarks._brokers import AMQP_URL, broker_leg, host_line
 from benchmarks._server import bench_server
 from benchmarks.celery_e2e import hot, scenarios, stops
 from benchmarks.celery_e2e.harness import POOL_CONCURRENCY, Bench, open_bench, pool_slots
@@ -170,10 +170,7 @@ def run(args: argparse.Namespace) -> int:
     with bench_server() as server:
         embedded = ", embedded" if server.embedded else ""
         for name in args.brokers:
-            if name == "redis":
-                broker: Broker | str = Broker("redis", server.url, server.version + embedded)
-            else:
-                broker = amqp_broker(args.amqp_url)
+            broker = broker_leg(name, server.url, server.version + embedded, args.amqp_url)
             if isinstance(broker, str):
                 print(f"\n[{name}] skipped: {broker}")
                 verdicts.append(f"{name}: skipped")

@@ -26,6 +26,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from benchmarks._brokers import isolated_app
 from celery_redsem import FairSemaphore, Permit, contention_retries, get_client, with_semaphore
 
 ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_LIMIT, ENV_TAG = (
@@ -65,21 +66,9 @@ def make_app(
     control messages to the exchange ``prefix.pidbox``, so no other run sees them.
     """
     broker_url = broker_url or url
-    app = Celery("redsembench", set_as_current=False)
-    app.conf.update(
-        broker_url=broker_url,
-        result_backend=url,
-        task_default_queue=prefix,
-        control_exchange=prefix,
-        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
-        broker_connection_retry_on_startup=True,
-        redsem_key_prefix=prefix,
-        redsem_lease=5.0,
-        worker_hijack_root_logger=False,
-        task_ignore_result=True,
+    app = isolated_app(
+        "redsembench", url, broker_url, prefix, redsem_lease=5.0, task_ignore_result=True
     )
-    if not broker_url.startswith("amqp"):
-        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
     app.conf.update(settings or {})
     clients: dict[int, redis.Redis] = {}
 

@@ -15,6 +15,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from benchmarks._brokers import isolated_app
 from celery_redsem import contention_retries, with_semaphore
 
 ENV_URL, ENV_BROKER, ENV_PREFIX, ENV_HOLD = (
@@ -44,19 +45,7 @@ def make_app(url: str, broker_url: str, prefix: str, hold: float) -> Celery:
     Tasks go to the queue ``prefix`` (control messages to the exchange ``prefix``), so no other
     run sees them; results and records stay on the Redis server ``url`` under ``prefix``.
     """
-    app = Celery("bench_fair", set_as_current=False)
-    app.conf.update(
-        broker_url=broker_url,
-        result_backend=url,
-        task_default_queue=prefix,
-        control_exchange=prefix,
-        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
-        broker_connection_retry_on_startup=True,
-        redsem_key_prefix=prefix,
-        worker_hijack_root_logger=False,
-    )
-    if not broker_url.startswith("amqp"):
-        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
+    app = isolated_app("bench_fair", url, broker_url, prefix)
     clients: dict[int, redis.Redis] = {}
 
     def body(variant: str, account: str, request: Any) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from benchmarks._brokers import AMQP_URL, Broker, amqp_broker, drop_queue, host_line
+from benchmarks._brokers import AMQP_URL, Broker, broker_leg, drop_queue, host_line
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
 from benchmarks.rate.app import make_app, worker_environ
 from benchmarks.rate.budgets import (
@@ -259,11 +259,7 @@ def main() -> int:
     with bench_server() as server:
         embedded = ", embedded" if server.embedded else ""
         for name in args.brokers.split(","):
-            broker: Broker | str = (
-                Broker("redis", server.url, server.version + embedded)
-                if name == "redis"
-                else amqp_broker(args.amqp_url)
-            )
+            broker = broker_leg(name, server.url, server.version + embedded, args.amqp_url)
             if isinstance(broker, str):
                 print(f"\n[{name}] skipped: {broker}")
                 continue

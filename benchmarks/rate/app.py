@@ -14,6 +14,7 @@ from typing import Any
 import redis
 from celery import Celery
 
+from benchmarks._brokers import isolated_app
 from celery_redsem import contention_retries, with_rate_limit
 
 #: The budget scenarios' limits: ``bench.cost`` takes ``units`` (its argument) of COST_RATE a
@@ -36,19 +37,7 @@ def make_app(url: str, broker_url: str, prefix: str, rate: float) -> Celery:
     Tasks go to the queue ``prefix`` (control messages to the exchange ``prefix``), so no other
     run sees them; results and records stay on the Redis server ``url`` under ``prefix``.
     """
-    app = Celery("bench_rate", set_as_current=False)
-    app.conf.update(
-        broker_url=broker_url,
-        result_backend=url,
-        task_default_queue=prefix,
-        control_exchange=prefix,
-        result_backend_transport_options={"global_keyprefix": f"{prefix}:celery:"},
-        broker_connection_retry_on_startup=True,
-        redsem_key_prefix=prefix,
-        worker_hijack_root_logger=False,
-    )
-    if not broker_url.startswith("amqp"):
-        app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}:kombu:"}
+    app = isolated_app("bench_rate", url, broker_url, prefix)
     clients: dict[int, redis.Redis] = {}
 
     def stamp(variant: str, key: str, n: int, request: Any) -> None:
