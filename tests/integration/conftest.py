@@ -249,6 +249,21 @@ def retried_run_waits_for_the_run_that_queued_it(app: Celery, key: str) -> None:
     counter.close()
 
 
+def kill_once_every_run_is_held(victim: WorkerProcess, survivor: WorkerProcess, runs: int) -> None:
+    """SIGKILL ``victim`` (main process and children) once the two
+    workers have received all ``runs`` runs, some of them the victim. (A "received" line comes
+    once the broker counts the message as unacknowledged: one popped but not yet counted would
+    die with the worker.)"""
+
+    def delivered() -> bool:
+        logs = victim.log().count("] received"), survivor.log().count("] received")
+        return logs[0] > 0 and sum(logs) >= runs
+
+    wait_until(delivered, 30, what="every run held by a worker, some by the victim")
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+
+
 @contextlib.contextmanager
 def running_workers(
     redis_url: str,

@@ -6,8 +6,6 @@ Bounds on units are strict; time bounds are loose (the pace is the benchmark's,
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,8 +34,12 @@ from tests.integration.apps.budget_tasks import (
     WINDOWS,
 )
 from tests.integration.apps.rate_tasks import make_rate_app, read_starts
-from tests.integration.conftest import close_app, running_workers
-from tests.servers import wait_until
+from tests.integration.conftest import (
+    close_app,
+    kill_once_every_run_is_held,
+    running_workers,
+)
+from tests.integration.test_backlog import _quick_redelivery
 from tests.test_cli import run
 
 
@@ -322,14 +324,8 @@ def test_a_worker_killed_while_its_key_is_paused_loses_no_run(
     acknowledged) come back to the other, and every run starts once, after the pause."""
     key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
     name, queue, pause = f"rate:{key}", f"kill-{key}", 15.0
-    # The broker gives a dead worker's unacknowledged messages back after 10 s, looking every
-    # second (kombu looks every 10 s, and acts on every tenth look, by default).
-    options = {
-        "global_keyprefix": f"{prefix}:kombu:",
-        "visibility_timeout": 10,
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    }
+    # The broker gives a dead worker's unacknowledged messages back within seconds.
+    options = _quick_redelivery(prefix)
     module = "tests.integration.apps.rate_worker_app"
     with running_workers(
         redis_url, prefix, tmp_path, ["kv", "ks"], 2, "-Q", queue, app_module=module,
@@ -339,16 +335,7 @@ def test_a_worker_killed_while_its_key_is_paused_loses_no_run(
         pause_rate_limiter(client, name, pause, prefix=prefix)
         sent = [prefork_app.tasks["r.tick"].apply_async((key, n), queue=queue) for n in range(12)]
 
-        # Every message delivered (a "received" line comes once the broker counts it as
-        # unacknowledged: one popped but not yet counted would die with the worker), some of
-        # them to the victim.
-        def delivered() -> bool:
-            logs = victim.log().count("] received"), survivor.log().count("] received")
-            return logs[0] > 0 and sum(logs) >= len(sent)
-
-        wait_until(delivered, 30, what="every run held by a worker, some by the victim")
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        victim.proc.wait(10)
+        kill_once_every_run_is_held(victim, survivor, len(sent))
         limiter = RateLimiter(client, name, "20/s", prefix=prefix)
         assert limiter.state().paused > 0, "the pause ended before the kill: nothing shown"
         assert read_starts(client, prefix, key) == []

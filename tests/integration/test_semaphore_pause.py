@@ -5,8 +5,6 @@ run on."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +18,12 @@ from celery import Celery
 from celery_redsem import FairSemaphore
 from tests.integration.apps.budget_tasks import SEM_PAUSE
 from tests.integration.apps.rate_tasks import make_rate_app, read_starts
-from tests.integration.conftest import close_app, running_workers
+from tests.integration.conftest import (
+    close_app,
+    kill_once_every_run_is_held,
+    running_workers,
+)
+from tests.integration.test_backlog import _quick_redelivery
 from tests.servers import wait_until
 from tests.test_cli import run
 
@@ -115,14 +118,8 @@ def test_a_worker_killed_while_its_semaphore_is_paused_loses_no_run(
     (never acknowledged) come back to the other, and every run starts once, after the pause."""
     key, prefix = uuid.uuid4().hex[:10], prefork_app.conf.redsem_key_prefix
     name, queue, pause = f"swait:{key}", f"skill-{key}", 12.0
-    # The broker gives a dead worker's unacknowledged messages back after 10 s, looking every
-    # second.
-    options = {
-        "global_keyprefix": f"{prefix}:kombu:",
-        "visibility_timeout": 10,
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    }
+    # The broker gives a dead worker's unacknowledged messages back within seconds.
+    options = _quick_redelivery(prefix)
     module = "tests.integration.apps.rate_worker_app"
     with running_workers(
         redis_url, prefix, tmp_path, ["sv", "ss"], 2, "-Q", queue, app_module=module,
@@ -134,13 +131,7 @@ def test_a_worker_killed_while_its_semaphore_is_paused_loses_no_run(
             prefork_app.tasks["r.sem_wait"].apply_async((key, n), queue=queue) for n in range(12)
         ]
 
-        def delivered() -> bool:
-            logs = victim.log().count("] received"), survivor.log().count("] received")
-            return logs[0] > 0 and sum(logs) >= len(sent)
-
-        wait_until(delivered, 30, what="every run held by a worker, some by the victim")
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        victim.proc.wait(10)
+        kill_once_every_run_is_held(victim, survivor, len(sent))
         assert _paused(client, prefix, name) > 0, "the pause ended before the kill"
         assert read_starts(client, prefix, key) == []
         assert [r.get(timeout=90) for r in sent] == list(range(12))
