@@ -15,12 +15,11 @@ import os
 import time
 from typing import Any
 
-import redis
 from celery import Celery
 
 from celery_redsem import with_lock, with_semaphore
 from celery_redsem.signals import task_skipped
-from tests.integration.apps.tasks import BODY_WAIT_TIMEOUT, make_app
+from tests.integration.apps.tasks import body_client, make_app
 
 _ENTER = """
 local c = redis.call('INCR', KEYS[1])
@@ -33,12 +32,7 @@ return c
 def make_busy_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     """The test app of tests/integration/apps/tasks.py with the tasks of this module added."""
     app = make_app(redis_url, prefix, **conf)
-    clients: dict[int, redis.Redis] = {}
-
-    def counter() -> redis.Redis:
-        if os.getpid() not in clients:
-            clients[os.getpid()] = redis.Redis.from_url(redis_url, socket_timeout=BODY_WAIT_TIMEOUT)
-        return clients[os.getpid()]
+    counter = body_client(redis_url)
 
     def body(key: str, hold: bool = False, seconds: float = 0.0) -> str:
         keys = [f"{prefix}:b:{what}:{key}" for what in ("cur", "max", "runs")]

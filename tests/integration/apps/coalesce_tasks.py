@@ -13,11 +13,10 @@ import json
 import os
 import time
 
-import redis
 from celery import Celery
 
 from celery_redsem import with_lock, with_semaphore
-from tests.integration.apps.tasks import BODY_WAIT_TIMEOUT, app_settings
+from tests.integration.apps.tasks import app_settings, body_client
 
 URL, PREFIX = os.environ["REDSEM_TEST_APP_URL"], os.environ["REDSEM_TEST_APP_PREFIX"]
 
@@ -28,14 +27,8 @@ LATE_QUEUE = "coalesce-late"
 app.conf.task_routes = {"c.rebuild_late": {"queue": LATE_QUEUE}}
 app.conf.update(json.loads(os.environ.get("REDSEM_TEST_APP_CONF", "{}")))
 
-_clients: dict[int, redis.Redis] = {}
-
-
-def counter() -> redis.Redis:
-    """This process's client of the test server."""
-    if os.getpid() not in _clients:
-        _clients[os.getpid()] = redis.Redis.from_url(URL, socket_timeout=BODY_WAIT_TIMEOUT)
-    return _clients[os.getpid()]
+#: This process's client of the test server.
+counter = body_client(URL)
 
 
 def bodies(doc: str) -> list[dict[str, object]]:

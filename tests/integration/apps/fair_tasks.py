@@ -9,15 +9,13 @@ every account), the same per account (``...:<key>:<account>``), and ``<prefix>:f
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
-import redis
 from celery import Celery
 
 from celery_redsem import with_semaphore
-from tests.integration.apps.tasks import BODY_WAIT_TIMEOUT, make_app
+from tests.integration.apps.tasks import body_client, make_app
 
 _ENTER = """
 for i = 1, 3, 2 do
@@ -32,12 +30,7 @@ return 1
 def make_fair_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     """The test app of tests/integration/apps/tasks.py with the tasks of this module added."""
     app = make_app(redis_url, prefix, **conf)
-    clients: dict[int, redis.Redis] = {}
-
-    def counter() -> redis.Redis:
-        if os.getpid() not in clients:
-            clients[os.getpid()] = redis.Redis.from_url(redis_url, socket_timeout=BODY_WAIT_TIMEOUT)
-        return clients[os.getpid()]
+    counter = body_client(redis_url)
 
     def body(key: str, account: str, task_id: str, seconds: float, hold: bool) -> str:
         total, mine = f"{prefix}:f:cur:{key}", f"{prefix}:f:cur:{key}:{account}"

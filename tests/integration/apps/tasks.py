@@ -11,6 +11,7 @@ import contextvars
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -42,6 +43,20 @@ redis.call('DECR', KEYS[1])
 redis.call('RPUSH', KEYS[3], 'end ' .. ARGV[1])
 return 1
 """
+
+
+def body_client(redis_url: str) -> Callable[[], redis.Redis]:
+    """The bodies' own client of ``redis_url``: one per process (a forked pool child makes its
+    own), waiting as long as a body may wait for the test's go."""
+    clients: dict[int, redis.Redis] = {}
+
+    def client() -> redis.Redis:
+        pid = os.getpid()
+        if pid not in clients:
+            clients[pid] = redis.Redis.from_url(redis_url, socket_timeout=BODY_WAIT_TIMEOUT)
+        return clients[pid]
+
+    return client
 
 
 def bad_key(mode: str) -> object:
@@ -79,13 +94,7 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
         task_track_started=True,
     )
     app.conf.update(conf)
-    clients: dict[int, redis.Redis] = {}
-
-    def counter() -> redis.Redis:
-        pid = os.getpid()
-        if pid not in clients:
-            clients[pid] = redis.Redis.from_url(redis_url, socket_timeout=BODY_WAIT_TIMEOUT)
-        return clients[pid]
+    counter = body_client(redis_url)
 
     def keys(key: str) -> list[str]:
         return [f"{prefix}:t:cur:{key}", f"{prefix}:t:max:{key}", f"{prefix}:t:log:{key}"]
