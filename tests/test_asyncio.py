@@ -283,6 +283,37 @@ def test_an_async_waiter_that_times_out_or_is_cancelled_leaves_the_line(
     sync_lock.release(held)
 
 
+@pytest.mark.skipif(
+    not hasattr(asyncio.Task, "cancelling"), reason="Python 3.10 tasks do not count cancellations"
+)
+def test_a_blocking_acquire_cancelled_at_any_point_ends_cancelled_at_once(redis_url, prefix):
+    """redis-py sends through ``asyncio.wait_for``, which before Python 3.12 swallows a
+    cancellation that arrives as the send completes: the acquire went on waiting (here, until
+    the holder's 30 s lease ran out). Cancelled at spread-out points of its first round trips,
+    every acquire must end cancelled, promptly, and out of the line."""
+
+    async def main() -> None:
+        async with async_client(redis_url) as client:
+            sem = AsyncFairSemaphore(client, "cut", 1, prefix=prefix, lease=30)
+            assert await sem.acquire() is not None
+            for i in range(120):
+                task = asyncio.create_task(sem.acquire(blocking=True, permit_id=f"w{i}"))
+                for _ in range(i % 7):
+                    await asyncio.sleep(0)
+                await asyncio.sleep((i % 11) * 0.0002)
+                task.cancel()
+                done, _ = await asyncio.wait([task], timeout=2)
+                assert done, f"acquire {i} went on waiting after its cancellation"
+                assert task.cancelled(), f"acquire {i} ended with {task.result()!r}"
+            await eventually(lambda: _no_waiters(sem), 2, "the cancelled waiters to leave")
+
+    run(main())
+
+
+async def _no_waiters(sem: AsyncFairSemaphore) -> bool:
+    return await sem.waiters() == []
+
+
 def test_async_refresh_extends_by_a_given_lease_and_reports_a_lost_permit(
     redis_url, redis_client, prefix
 ):

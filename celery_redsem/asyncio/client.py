@@ -9,6 +9,7 @@ with the client's connection settings, and closes it when the wait is over.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,14 @@ from redis.exceptions import NoScriptError
 from celery_redsem.core.errors import REDIS_ERRORS, BackendError, ConfigurationError
 from celery_redsem.core.scripts import LuaScript, script_failed
 
-__all__ = ["WAKE_READ_SLACK", "AsyncRedisClient", "WakeWaiter", "run_script", "validate_client"]
+__all__ = [
+    "WAKE_READ_SLACK",
+    "AsyncRedisClient",
+    "CancelWatch",
+    "WakeWaiter",
+    "run_script",
+    "validate_client",
+]
 
 #: The clients the asyncio semaphore works with: a server (also Sentinel's ``master_for``) or
 #: a cluster, from ``redis.asyncio``.
@@ -28,6 +36,31 @@ AsyncRedisClient = Redis | RedisCluster
 #: Seconds a wake-up wait's reply may come after its ``BLPOP`` timeout: a timed-out blocking
 #: command is answered on the server's next timer tick (1 s at the slowest ``hz 1``).
 WAKE_READ_SLACK = 2.0
+
+
+class CancelWatch:
+    """Notices a cancellation of the current task that a Redis call swallowed.
+
+    Before Python 3.12, ``asyncio.wait_for`` (which redis-py sends commands through when a
+    socket timeout is set) returns its result instead of raising when the task is cancelled
+    just as the send completes. The task then goes on as if never cancelled: a blocking
+    acquire would wait for a permit no one wants. :meth:`check`, called after each Redis call
+    of a loop, raises the lost ``CancelledError`` (Python 3.11+, where tasks count their
+    cancellation requests; on 3.10 there is no count to read, and it does nothing).
+    """
+
+    def __init__(self) -> None:
+        self._task = asyncio.current_task()
+        self._before = self._requests()
+
+    def _requests(self) -> int:
+        cancelling = getattr(self._task, "cancelling", None)
+        return int(cancelling()) if cancelling is not None else 0
+
+    def check(self) -> None:
+        """Raise ``CancelledError`` if the task was asked to cancel since this watch began."""
+        if self._requests() > self._before:
+            raise asyncio.CancelledError
 
 
 def validate_client(client: object) -> AsyncRedisClient:
@@ -75,6 +108,7 @@ class WakeWaiter:
         self.client = client
         self.name = name
         self._connection: Any = None
+        self.cancel = CancelWatch()  # (made in the waiting task)
 
     async def pop(self, key: str, seconds: float, permit_id: str) -> Any:
         """Pop the first element of list ``key``, waiting at most ``seconds`` (at least 10 ms)
@@ -84,6 +118,7 @@ class WakeWaiter:
             if self._connection is None:
                 self._connection = self._open(key)
             await self._connection.send_command("BLPOP", key, f"{timeout:.3f}")
+            self.cancel.check()  # (the reply left unread: close() drops the connection)
             reply = await self._connection.read_response(timeout=timeout + WAKE_READ_SLACK)
         except REDIS_ERRORS as exc:
             await self.close()  # a reply may still come: it must not be read as the next one

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_redsem.asyncio.client import AsyncRedisClient, run_script, validate_client
+from celery_redsem.asyncio.client import AsyncRedisClient, CancelWatch, run_script, validate_client
 from celery_redsem.core.errors import AcquireTimeout
 from celery_redsem.core.permit_ids import new_permit_id
 from celery_redsem.core.rate_spec import (
@@ -68,12 +68,15 @@ class RateLimiter(RateSpec):
         """Book the next free slot and sleep until it; False, with nothing booked, if it is
         more than ``timeout`` seconds away (see :meth:`celery_redsem.RateLimiter.wait`)."""
         permit_id = permit_id or new_permit_id()
+        cancel = CancelWatch()
         result = await self.attempt(permit_id, cost=cost, book=True, max_wait=timeout)
+        cancel.check()
         while not result.admitted:
             if not (result.booked or (result.paused and within(result, timeout))):
                 return False
             await asyncio.sleep(result.retry_after)
             result = await self.attempt(permit_id, cost=cost, book=True, max_wait=timeout)
+            cancel.check()
         return True
 
     async def admit(

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from celery_redsem.asyncio.client import CancelWatch
 from celery_redsem.core.errors import BackendError, PermitLost
 from celery_redsem.core.permits import Permit
 
@@ -47,10 +48,12 @@ class Renewal:
     async def _run(self) -> None:
         interval = self.permit.lease / 3
         due = self._clock() + interval
+        cancel = CancelWatch()
         while True:
             await asyncio.sleep(max(0.0, due - self._clock()))
             if not await self.renew():
                 return
+            cancel.check()  # stopped while renewing
             due = self._clock() + interval
 
     async def renew(self) -> bool:

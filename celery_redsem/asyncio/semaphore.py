@@ -115,10 +115,12 @@ class FairSemaphore(SemaphoreSpec):
         deadline = self._deadline(blocking, timeout)
         pid = self._permit_id(permit_id)
         waiter = WakeWaiter(self.client, self.name)
+        cancel = waiter.cancel
         try:
             while True:
                 sent = self._clock()
                 result = await self.attempt(pid, join_line=blocking, group=group, weight=weight)
+                cancel.check()  # (a grant the cancellation cut off is released below)
                 if isinstance(result, Permit):
                     return result, sent
                 wait = self._next_wait(deadline, result.paused) if blocking else None
@@ -127,6 +129,7 @@ class FairSemaphore(SemaphoreSpec):
                         await self.release(pid)
                     return None, sent
                 await waiter.pop(self.keys.wake(pid), wait, pid)
+                cancel.check()
         except BackendError as exc:
             naming(exc, pid)
             raise
