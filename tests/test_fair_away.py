@@ -102,3 +102,88 @@ def test_a_view_in_a_group_asks_with_its_group_and_weight(redis_client, prefix):
     plain = FairSemaphore(redis_client, "plain", 1, prefix=prefix)
     with pytest.raises(ConfigurationError, match="not grouped"):
         plain.in_group("g")
+
+
+def told(pubsub: redis.client.PubSub, seconds: float = 2.0) -> list[str]:
+    """The permit ids published on the subscribed channel within ``seconds`` (all that came
+    once the first did)."""
+    got: list[str] = []
+    message = pubsub.get_message(ignore_subscribe_messages=True, timeout=seconds)
+    while message is not None:
+        got.append(message["data"].decode())
+        message = pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+    return got
+
+
+def test_an_away_waiter_with_a_channel_is_offered_the_permit_its_turn_frees(
+    redis_client, redis_url, prefix
+):
+    sem = grouped(redis_client, prefix)
+    channel = f"{prefix}:told"
+    pubsub = redis.Redis.from_url(redis_url).pubsub()
+    pubsub.subscribe(channel)
+    assert pubsub.get_message(timeout=2)["type"] == "subscribe"
+    holder = ask(sem, "h", "a")
+    assert isinstance(holder, Permit)
+    parked = sem.attempt(
+        "b-0", join_line=True, group="b", waiter_lease=60, back_in=30, notify=channel
+    )
+    assert isinstance(parked, Waiting)
+    assert isinstance(away(sem, "b-1", "b"), Waiting)  # away without a channel: never told
+    assert told(pubsub, 0.2) == []
+    assert sem.release(holder)
+    assert told(pubsub) == ["b-0"], "b's head is told its turn came"
+    # Its place now holds the permit for it: an ask of the group that just released waits
+    # (without the offer, a's present ask would take the permit b's away head cannot use).
+    assert isinstance(ask(sem, "a-1", "a"), Waiting)
+    lease_end = redis_client.zscore(f"{prefix}:{{away}}:fwx:b", "b-0")
+    assert lease_end is not None and lease_end - server_ms(redis_client) <= 2_000, (
+        "an offer not taken ends within 2 s, so a waiter that never comes holds nothing long"
+    )
+    assert isinstance(ask(sem, "b-0", "b"), Permit)
+    assert redis_client.hget(f"{prefix}:{{away}}:fwn:b", "b-0") is None
+    pubsub.close()
+
+
+def test_an_offer_goes_in_fair_order_and_permits_left_go_round_the_groups(
+    redis_client, redis_url, prefix
+):
+    sem = grouped(redis_client, prefix, limit=3)
+    channel = f"{prefix}:told"
+    pubsub = redis.Redis.from_url(redis_url).pubsub()
+    pubsub.subscribe(channel)
+    assert pubsub.get_message(timeout=2)["type"] == "subscribe"
+    holders = [ask(sem, f"h{i}", "h") for i in range(3)]
+    assert all(isinstance(p, Permit) for p in holders)
+    for pid, group in [("a-0", "a"), ("a-1", "a"), ("a-2", "a"), ("b-0", "b")]:
+        reply = sem.attempt(
+            pid, join_line=True, group=group, waiter_lease=60, back_in=30, notify=channel
+        )
+        assert isinstance(reply, Waiting)
+    assert sem.release(holders[0])
+    assert told(pubsub) == ["a-0"], "one permit: the head of the group first in line"
+    for permit in holders[1:]:
+        assert sem.release(permit)
+    # Two more free: b's head, then a's next (a second round over the groups). a-0, offered
+    # already, is present now: a release pushes to its wake-up list instead.
+    assert sorted(told(pubsub)) == ["a-1", "b-0"]
+    assert redis_client.llen(f"{prefix}:{{away}}:wake:a-0") == 1
+    assert isinstance(ask(sem, "a-2", "a"), Waiting), "every free permit is held for an offer"
+    assert [
+        isinstance(ask(sem, pid, "a" if pid != "b-0" else "b"), Permit)
+        for pid in ("a-0", "a-1", "b-0")
+    ] == [True, True, True]
+    pubsub.close()
+
+
+def test_notify_needs_a_grouped_semaphore_and_a_channel_name(redis_client, prefix):
+    plain = FairSemaphore(redis_client, "plain", 1, prefix=prefix)
+    with pytest.raises(ConfigurationError, match="needs a grouped semaphore"):
+        plain.attempt("x", join_line=True, notify="ch")
+    with pytest.raises(ConfigurationError, match="1 to 512 characters"):
+        grouped(redis_client, prefix).attempt("x", join_line=True, group="a", notify="")
+
+
+def server_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000

@@ -74,7 +74,7 @@ class FairSemaphore(SemaphoreSpec):
     ) -> Permit | Waiting:
         """One try, one round trip: a :class:`~celery_redsem.Permit`, or where the caller
         stands in line. The options (``join_line``, ``waiter_lease``, ``back_in``, ``group``,
-        ``weight``) are the sync :meth:`celery_redsem.FairSemaphore.attempt`'s."""
+        ``weight``, ``notify``) are the sync :meth:`celery_redsem.FairSemaphore.attempt`'s."""
         pid = self._permit_id(permit_id)
         try:
             script, args = self._attempt_args(pid, **options)

@@ -75,8 +75,9 @@ class SemaphoreKeys:
     fair_capped = _Key("fcap", "Sorted set: group -> start tag of its head, groups at their limit.")
     fair_grants = _Key("fh", "Sorted set: ``<group>\\0<permit id>`` of every grant of a group.")
     #: Prefixes of a grouped semaphore's keys per group (``<prefix><group>``): its line, its
-    #: waiter leases, its waiters' due times, and its finish tag, weight and grants served.
-    GROUP_KEY_KINDS = ("fw:", "fwx:", "fwd:", "fg:")
+    #: waiter leases, its waiters' due times, the channels its away waiters are told on, and
+    #: its finish tag, weight and grants served.
+    GROUP_KEY_KINDS = ("fw:", "fwx:", "fwd:", "fwn:", "fg:")
 
     def group_keys(self, group: str) -> list[str]:
         """The keys of one group of a grouped semaphore."""

@@ -180,6 +180,7 @@ class FairSemaphore(SemaphoreSpec):
         back_in: float = 0.0,
         group: str | None = None,
         weight: float = 1.0,
+        notify: str | None = None,
     ) -> Permit | Waiting:
         """One try, one round trip: a :class:`Permit`, or where the caller stands in line.
 
@@ -196,7 +197,12 @@ class FairSemaphore(SemaphoreSpec):
         served by fair share: a free permit goes to the head of the group with the smallest
         share served (grants / ``weight``) among the groups with waiters (see
         :mod:`~celery_redsem.core.fair_share`). With ``back_in`` a grouped waiter is away as in
-        the FIFO line: its group's next present waiter is served meanwhile.
+        the FIFO line: its group's next present waiter is served meanwhile, unless it gives a
+        Pub/Sub channel to ``notify``: then, when a release finds its turn has come while it
+        is away, its place is made present (it holds the free permit for it, for at most 2 s)
+        and its permit id is published on that channel, so it can come for the permit at
+        once (Celery's admission parks tasks this way: each release goes to the next task in
+        fair order, wherever it is parked).
 
         A :class:`BackendError` carries the permit id (``exc.permit_id``, drawn before sending
         when none was given): the request may have been granted with its reply lost, and
@@ -207,8 +213,8 @@ class FairSemaphore(SemaphoreSpec):
             arg = self._acquire_arg(pid, join_line, waiter_lease, back_in)
             script: LuaScript = ACQUIRE
             args: tuple[str, ...] = (arg,)
-            if group is not None or self.grouped or weight != 1:
-                script, args = self._fair_args(arg, group, weight)
+            if group is not None or self.grouped or weight != 1 or notify is not None:
+                script, args = self._fair_args(arg, group, weight, notify)
             if self.min_replicas:
                 return self._attempt_acknowledged(pid, [*args], script)
             # Runs on every task start, so it sends EVALSHA itself (evalsha() adds two

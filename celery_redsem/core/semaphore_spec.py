@@ -66,6 +66,7 @@ class AttemptOptions(TypedDict, total=False):
     back_in: float
     group: str | None
     weight: float
+    notify: str | None
 
 
 #: The options' defaults, the same for the sync and the asyncio semaphore.
@@ -190,21 +191,33 @@ class SemaphoreSpec:
         back_in = options.get("back_in", 0.0)
         join, lease = options.get("join_line", False), options.get("waiter_lease")
         arg = self._acquire_arg(pid, join, lease, back_in)
-        return self._fair_args(arg, options.get("group"), options.get("weight", 1.0))
+        group, weight = options.get("group"), options.get("weight", 1.0)
+        return self._fair_args(arg, group, weight, options.get("notify"))
 
     def _fair_args(
-        self, arg: str, group: str | None, weight: float
+        self, arg: str, group: str | None, weight: float, notify: str | None = None
     ) -> tuple[LuaScript, tuple[str, ...]]:
-        """The script and ARGV for acquire.lua's ARGV[1] ``arg``, with or without a group."""
+        """The script and ARGV for acquire.lua's ARGV[1] ``arg``, with or without a group (and
+        the channel to ``notify``, grouped only)."""
         if group is None and self.group is not None:  # (a view made by in_group)
             group, weight = self.group, self.weight
         if group is None:
             self._fair.check_ungrouped(weight, self.name)
+            if notify is not None:
+                raise ConfigurationError(
+                    f"notify={notify!r} needs a grouped semaphore ({self.name!r} is not)",
+                    name=self.name,
+                )
             return self._fair.acquire_script, (arg,)
-        return self._fair.acquire_script, (
-            arg,
-            self._fair.group_arg(group, weight, self.name),
-        )
+        group_arg = self._fair.group_arg(group, weight, self.name)
+        if notify is None:
+            return self._fair.acquire_script, (arg, group_arg)
+        if not isinstance(notify, str) or not 0 < len(notify) <= 512:
+            raise ConfigurationError(
+                f"notify must be a Pub/Sub channel name of 1 to 512 characters, got {notify!r}",
+                name=self.name,
+            )
+        return self._fair.acquire_script, (arg, group_arg, notify)
 
     def _result(self, pid: str, reply: Any) -> Permit | Waiting:
         """Decode acquire.lua: ``"<token>:<expiry>"`` if granted, ``[position, expiry]`` if not

@@ -12,6 +12,11 @@
 --                     away (a Celery task parked or on a countdown) and its place holds no
 --                     free permit for it; the first *present* waiter of a group is its
 --                     candidate, and groups with no present waiter are passed over
+--   fwn:<group> HASH  permit id -> Pub/Sub channel, for away waiters that asked to be told
+--                     when their turn comes (Celery admission: a worker's channel). When a
+--                     release reaches such a waiter, it is *offered* the permit: its place is
+--                     made present (it holds the permit for it) for at most OFFER_MS, and
+--                     its permit id is published on its channel
 --   fg:<group>  HASH  'f' finish tag of its last grant, 'w' weight, 'n' grants served
 --   fh          ZSET  '<group>\0<permit id>' (score 0, in lexical order) for every grant of a
 --                     group, checked against the holders hash and `fair` before it is counted:
@@ -30,6 +35,7 @@ local function fair_helpers(holders, now, h)
   f.fair, f.fq, f.fcap, f.fh = base .. 'fair', base .. 'fq', base .. 'fcap', base .. 'fh'
   f.budget = 100 -- dead places and empty groups one call clears at most
   f.LOOK = 200 -- groups one call looks at, at most, for a present head
+  f.OFFER_MS = 2000 -- how long an offered place holds its permit if its waiter does not come
 
   function f.key(kind, group)
     return base .. kind .. ':' .. group
@@ -47,6 +53,7 @@ local function fair_helpers(holders, now, h)
     end
     redis.call('ZREM', f.key('fwx', group), id)
     redis.call('ZREM', f.key('fwd', group), id)
+    redis.call('HDEL', f.key('fwn', group), id)
     redis.call('DEL', h.wake_key(holders, id))
     if redis.call('HGET', f.fair, id) == group then
       redis.call('HDEL', f.fair, id)
@@ -167,29 +174,73 @@ local function fair_helpers(holders, now, h)
     return best, best_ticket, best_until
   end
 
-  -- Wake the present heads of the first `free` groups of fq that have one, so blocked
-  -- waiters try at once (groups whose waiters are all away are passed over).
+  -- Tell waiter `id` of `group` (waiter lease until `until_ms`) that a permit is free for
+  -- it: a present one by its wake-up list; an away one that gave a channel by an offer (see
+  -- fwn above). False if it can be told neither way (away, no channel).
+  function f.call(group, id, until_ms)
+    local due = f.key('fwd', group)
+    if tonumber(redis.call('ZSCORE', due, id) or 0) > now then
+      local channel = redis.call('HGET', f.key('fwn', group), id)
+      if not channel then
+        return false
+      end
+      redis.call('ZADD', due, now, id)
+      if until_ms > now + f.OFFER_MS then
+        redis.call('ZADD', f.key('fwx', group), now + f.OFFER_MS, id)
+      end
+      redis.call('PUBLISH', channel, id)
+      return true
+    end
+    local key = h.wake_key(holders, id)
+    redis.call('LPUSH', key, '1')
+    redis.call('LTRIM', key, 0, 0)
+    redis.call('PEXPIRE', key, until_ms - now)
+    return true
+  end
+
+  -- Call (f.call) the head of each of the first `free` groups of fq that can be told, in
+  -- fair order; a group whose head is away without a channel has its first present waiter
+  -- called, and is passed over if it has none. Permits still free after a round over the
+  -- groups go to the next waiters of the groups called, a round at a time (no group limit).
   function f.wake(free)
-    local i, looked = 0, 0
-    while free > 0 and f.budget > 0 and looked < f.LOOK do
-      local group = redis.call('ZRANGE', f.fq, i, i)[1]
-      if not group then
+    local called, round = {}, 0
+    while free > 0 do
+      local i, looked, any = 0, 0, false
+      while free > 0 and f.budget > 0 and looked < f.LOOK do
+        local group = redis.call('ZRANGE', f.fq, i, i)[1]
+        if not group then
+          break
+        end
+        looked, i = looked + 1, i + 1
+        local id, until_ms
+        if round == 0 then
+          id, until_ms = f.head(group)
+          if not id then
+            if f.budget > 0 then -- empty: its line is gone
+              redis.call('ZREM', f.fq, group)
+              redis.call('ZREM', f.fcap, group)
+              i = i - 1
+            end
+          elseif not f.call(group, id, until_ms) then
+            local present, _, present_until = f.present(group)
+            id = present and f.call(group, present, present_until) and present
+          end
+          called[group] = id and 1 or nil
+        elseif called[group] then
+          id = redis.call('ZRANGE', f.key('fw', group), round, round)[1]
+          until_ms = id and tonumber(redis.call('ZSCORE', f.key('fwx', group), id) or 0)
+          if not (id and until_ms > now and f.call(group, id, until_ms)) then
+            id, called[group] = nil, nil
+          end
+        end
+        if id then
+          free, any = free - 1, true
+        end
+      end
+      if not any or tonumber(redis.call('HGET', f.fair, ':glimit') or 0) > 0 then
         return
       end
-      looked = looked + 1
-      local id, _, until_ms = f.present(group)
-      if id then
-        local key = h.wake_key(holders, id)
-        redis.call('LPUSH', key, '1')
-        redis.call('LTRIM', key, 0, 0)
-        redis.call('PEXPIRE', key, until_ms - now)
-        free, i = free - 1, i + 1
-      elseif f.head(group) then
-        i = i + 1 -- every waiter of it is away
-      elseif f.budget > 0 then
-        redis.call('ZREM', f.fq, group) -- empty: its line is gone
-        redis.call('ZREM', f.fcap, group)
-      end
+      round = round + 1
     end
   end
 

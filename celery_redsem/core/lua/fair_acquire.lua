@@ -7,6 +7,8 @@
 --         [:1]|<permit id>'); back in (ms): the caller is away until then, and its place
 --         holds no free permit for it meanwhile (see fwd in _fair.lua)
 -- ARGV[2] '<weight>:<group limit>|<group>': 0 < weight <= MAX_WEIGHT, group limit 0 = none
+-- ARGV[3] (optional) a Pub/Sub channel: a caller that gets no permit and is away (back in)
+--         is offered one when its turn comes, and told on this channel (see fwn in _fair.lua)
 --
 -- Returns as acquire.lua: status '<token>:<lease expiry ms>' if granted (or already held:
 -- same token, lease renewed, ':renewed' appended if ':1' asked), else {position, waiter
@@ -28,6 +30,10 @@ local weight, group_limit, group = string.match(ARGV[2] or '', '^([^:]+):(%d+)|(
 limit, lease, waiter_lease = tonumber(limit), tonumber(lease), tonumber(waiter_lease)
 idle_ttl, back_in = tonumber(idle_ttl), tonumber(back_in)
 weight, group_limit = tonumber(weight), tonumber(group_limit)
+local notify = ARGV[3]
+if notify == '' or (notify and #notify > 512) then
+  return redis.error_reply('ERR fair_acquire.lua: the channel to notify is empty or too long')
+end
 if not (back_in and weight and id and limit >= 1 and limit <= MAX_COUNT and lease <= MAX_MS
     and waiter_lease <= MAX_MS and idle_ttl <= MAX_MS and back_in <= MAX_MS and weight > 0 and weight <= MAX_WEIGHT
     and group_limit <= MAX_COUNT) then
@@ -145,6 +151,7 @@ if eligible then
     redis.call('ZREM', line, id)
     redis.call('ZREM', f.key('fwx', group), id)
     redis.call('ZREM', f.key('fwd', group), id)
+    redis.call('HDEL', f.key('fwn', group), id)
   end
   local gk = f.key('fg', group)
   local served = tonumber(redis.call('HGET', gk, 'n') or 0) + 1
@@ -188,7 +195,14 @@ redis.call('ZADD', f.key('fwx', group), waiter_until, id)
 redis.call('ZADD', f.key('fwd', group), now + back_in, id)
 redis.call('HSET', f.fair, id, group, ':glimit', group_limit)
 redis.call('HSET', gk, 'w', f.tag(weight))
-for _, key in ipairs({line, f.key('fwx', group), f.key('fwd', group), f.fair, gk, f.fq, f.fcap}) do
+local told = f.key('fwn', group)
+if notify and back_in > 0 then
+  redis.call('HSET', told, id, notify)
+else
+  redis.call('HDEL', told, id)
+end
+for _, key in ipairs({line, f.key('fwx', group), f.key('fwd', group), told, f.fair, gk, f.fq,
+    f.fcap}) do
   f.keep(key, keep)
 end
 save(':limit', limit, waiter_until + half_idle)
