@@ -29,7 +29,12 @@ _ASK_AGAIN = 1.0
 
 
 def attempt(
-    sem: FairSemaphore, permit_id: str, *, waiter_lease: float, back_in: float = 0.0
+    sem: FairSemaphore,
+    permit_id: str,
+    *,
+    waiter_lease: float,
+    back_in: float = 0.0,
+    notify: str | None = None,
 ) -> Permit | Waiting:
     """One try that keeps the task run's place in line (``permit_id``: see
     :func:`~celery_redsem.core.permit_ids.permit_id_of`).
@@ -37,7 +42,9 @@ def attempt(
     A grant that too few replicas acknowledged in time was not used (``min_replicas``): that
     is a fault of the deployment, retried like a Redis error.
     """
-    result = sem.attempt(permit_id, join_line=True, waiter_lease=waiter_lease, back_in=back_in)
+    result = sem.attempt(
+        permit_id, join_line=True, waiter_lease=waiter_lease, back_in=back_in, notify=notify
+    )
     if isinstance(result, Waiting) and not result.expires_at:
         raise BackendError(
             f"a permit of {sem.name!r} was granted but not acknowledged by "

@@ -59,11 +59,16 @@ class _Ask:
     back_in: float
     done: Callback
     sent_at: float
+    notify: str | None = None
 
     @property
     def command(self) -> tuple[Any, ...]:
         return self.sem.attempt_command(
-            self.permit_id, join_line=True, waiter_lease=self.waiter_lease, back_in=self.back_in
+            self.permit_id,
+            join_line=True,
+            waiter_lease=self.waiter_lease,
+            back_in=self.back_in,
+            notify=self.notify,
         )
 
 
@@ -78,10 +83,11 @@ class Asks:
         waiter_lease: float,
         back_in: float,
         done: Callback,
+        notify: str | None = None,
     ) -> None:
         """Ask for ``permit_id``'s permit of ``sem`` (never one with ``min_replicas``); ``done``
-        gets the answer, maybe later."""
-        self._send(_Ask(sem, permit_id, waiter_lease, back_in, done, time.monotonic()))
+        gets the answer, maybe later. ``notify``: a grouped semaphore's channel for offers."""
+        self._send(_Ask(sem, permit_id, waiter_lease, back_in, done, time.monotonic(), notify))
 
     def _send(self, ask: _Ask) -> None:
         raise NotImplementedError
@@ -97,7 +103,11 @@ class WaitingAsks(Asks):
         answer: Answer
         try:
             answer = attempt(
-                ask.sem, ask.permit_id, waiter_lease=ask.waiter_lease, back_in=ask.back_in
+                ask.sem,
+                ask.permit_id,
+                waiter_lease=ask.waiter_lease,
+                back_in=ask.back_in,
+                notify=ask.notify,
             )
         except BackendError as exc:
             answer = exc

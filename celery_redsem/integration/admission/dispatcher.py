@@ -1,25 +1,22 @@
-"""Admission at dispatch: a prefork worker gives a pool slot only to a task that has its permit.
+"""Admission at dispatch: a worker gives a pool slot only to a task that has its permit.
 
-For a task with one guard, :class:`Admission` asks for the permit (joining the FIFO line under
-the run's permit id) without the event loop waiting for the reply (:mod:`.asks`), and for the
+For a task with one guard, :class:`Admission` asks for the permit (joining the line under the
+run's permit id) without the event loop waiting for the reply (:mod:`.asks`), also for the
 first task queued for a slot before the slot frees (:mod:`.ask_ahead`). Once the task holds its
 slot and the answer is there (:meth:`Admission.advance`, over :mod:`.stages`), it goes to its
 child with the permit (:mod:`~celery_redsem.integration.wire`), or waits in its child as the
-semaphore's *standby* for the release (:mod:`.standby`), or is *parked* here, unacknowledged,
-its slot given to the next task (:mod:`.parking`): no slot time, no trip through the broker.
-A parked task asks again when its turn is expected, or at once when a run of its semaphore
-ends here (:mod:`.live_runs`); one asked for ahead is parked straight from the slot queue. A
-task whose one guard is a rate limit is parked until the start its limiter booked for it.
+semaphore's *standby* (:mod:`.standby`), or is *parked* here, unacknowledged, its slot given to
+the next task (:mod:`.parking`). A parked task asks again when its turn is expected, or at once
+when a run of its semaphore ends here (:mod:`.live_runs`), or, on a grouped semaphore, when a
+release offers it the permit (:mod:`~celery_redsem.integration.worker.fair_wakes`). A task
+whose one guard is a rate limit is parked until the start its limiter booked for it.
 
 Past the parking's bounds (:mod:`~celery_redsem.integration.policy`) or ``redsem_max_wait``, a
-task goes to its child, which retries it through the broker or fails it. If the worker stops or
-loses its broker connection, the broker delivers the parked messages again. Anything unusual
-hands the task to its child unchanged (:mod:`~celery_redsem.integration.guards.contention`):
-pools without slots, several guards, a key function that fails or is slow (:mod:`.gate`),
-``min_replicas``, a worker shutting down, any error on admission's own path, and Redis errors
-(admission pauses). Celery's and kombu's private API is reached through
-:mod:`~celery_redsem.integration.seam`, which the worker probes before it installs admission
-(:class:`~celery_redsem.integration.worker.hooks.AdmissionStep`).
+task goes to its child, which retries it through the broker or fails it. Anything unusual hands
+the task to its child unchanged (:mod:`~celery_redsem.integration.guards.contention`): several
+guards, a key function that fails or is slow (:mod:`.gate`), ``min_replicas``, a stopping
+worker, any error on admission's path, Redis errors (admission pauses). Celery's and kombu's
+private API is reached through :mod:`~celery_redsem.integration.seam`.
 """
 
 from __future__ import annotations
@@ -40,13 +37,7 @@ from celery_redsem.integration.admission.asks import Asks, WaitingAsks, asks_for
 from celery_redsem.integration.admission.gate import Gate
 from celery_redsem.integration.admission.live_runs import LiveRuns
 from celery_redsem.integration.admission.parking import Parked, ParkingLot, RateGuard, received_at
-from celery_redsem.integration.admission.stages import (
-    Answer,
-    Candidate,
-    PermitGuard,
-    Stage,
-    Then,
-)
+from celery_redsem.integration.admission.stages import Answer, Candidate, PermitGuard, Stage, Then
 from celery_redsem.integration.admission.standby import GrantNotices, Standbys
 from celery_redsem.integration.admission.wiring import wire
 from celery_redsem.integration.guards.contention import paused_recheck
@@ -68,6 +59,7 @@ from celery_redsem.integration.wire import (
     read_wait_of,
     stamp_wait_began,
 )
+from celery_redsem.integration.worker.fair_wakes import Offers
 from celery_redsem.metrics import metrics_on, record_grant, record_unpark
 
 __all__ = ["Admission"]
@@ -100,6 +92,7 @@ class Admission:
             else None  # (solo: no admission)
         )
         self._asks: Asks | None = None
+        self.offers = Offers()  # a grouped semaphore's release wakes the next in fair order
         self.gate = Gate()  # which tasks admission decides for; its pause after an error
 
     # -- the hook -------------------------------------------------------------------------
@@ -239,10 +232,8 @@ class Admission:
             self._let_go(candidate, candidate.kept)
 
     def _let_go(self, candidate: Candidate, answer: Answer | None) -> None:
-        """Give up ``candidate``, asked for ahead (and a grant it got, unless its run goes on
-        here)."""
-        candidate.kept = None
-        candidate.stage = Stage.DONE
+        """Give up ``candidate``, asked ahead (and its grant, unless its run goes on here)."""
+        candidate.kept, candidate.stage = None, Stage.DONE
         self.runs.answered(candidate.run, candidate.req)
         if isinstance(answer, Permit) and not self.runs.handed_here(candidate.run):
             release_quietly(candidate.sem, answer)
@@ -251,11 +242,11 @@ class Admission:
         """Send one ask for ``candidate``; :meth:`advance` gets its answer."""
         candidate.lease, candidate.back_in, candidate.asked = lease, back_in, time.monotonic()
         self.runs.asking(candidate.run, candidate.req)
-        done = partial(self.advance, candidate)
+        sem, done = candidate.sem, partial(self.advance, candidate)
         try:
-            self._asks_for().ask(
-                candidate.sem, candidate.run, waiter_lease=lease, back_in=back_in, done=done
-            )
+            ask = self._asks_for().ask
+            notify = self.offers.notify_for(sem)  # (grouped: its turn is offered to this worker)
+            ask(sem, candidate.run, waiter_lease=lease, back_in=back_in, done=done, notify=notify)
         except BaseException:
             self.runs.answered(candidate.run, candidate.req)
             raise
@@ -268,6 +259,8 @@ class Admission:
                 return WaitingAsks()
             hub = getattr(self.controller, "hub", None)
             self._asks = asks_for(hub, client)
+            green, prefix = self.wiring.green_loop, get_config(self.app).key_prefix
+            self.offers.start(client, prefix, self.lot, hub=hub, green=green)
             if hub is not None and isinstance(self.slots, seam.SlotQueue):
                 writes = partial(seam.unwritten_tasks, self.controller)
                 self.ahead.install(hub, self.slots, writes)
@@ -473,6 +466,8 @@ class Admission:
         one, the first task parked on it asks now (and may become the standby)."""
         if name in self.standbys or self.slots is None or self.slots.free < 2:
             return
+        if self.offers.wake_by_offers(name):  # (the next in fair order is offered the permit)
+            return
         assert self.lot is not None
         first = self.lot.tasks.first_in_line(name)
         if first is not None:
@@ -486,6 +481,7 @@ class Admission:
             self.ahead.unqueue(candidate.req)
             record_unpark(self.lot.tasks.remove(candidate.req))
         self.lot.park(parked, seconds, slot_taken=slotted)
+        self.offers.parked(candidate.run, parked)
 
     # -- finished tasks wake parked ones -------------------------------------------------
 
@@ -495,6 +491,6 @@ class Admission:
         assert self.lot is not None
         self.standbys.released(name)
         tasks = self.lot.tasks
-        first = tasks.first_in_line(name)
+        first = None if self.offers.wake_by_offers(name) else tasks.first_in_line(name)
         for parked in [*tasks.copies_of(ended_id, name), *([first] if first else [])]:
             self.lot.wake(parked)

@@ -73,6 +73,10 @@ class GreenLoop:
         if self._dispatcher is None:
             self._dispatcher = self._spawn(self._serve)
 
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in a greenlet of its own."""
+        return self._spawn(fn, *args)
+
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` in the dispatcher."""
         self._queue.put((fn, args))

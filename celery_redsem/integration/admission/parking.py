@@ -82,6 +82,7 @@ class ParkedTasks:
         self._heads: dict[str, list[tuple[int, int, Parked]]] = {}  # heap per name
         self._deepest: dict[str, int] = {}  # per name; absent: to be found again
         self._copies: dict[str, list[Parked]] = {}  # by permit id (waiting for a run)
+        self._by_run: dict[str, Parked] = {}  # in line, by permit id
         self._pushed = 0  # breaks ties between equal places: the earlier parked first
 
     def __len__(self) -> int:
@@ -102,6 +103,7 @@ class ParkedTasks:
         if parked.first_ms < 0:  # a copy of a running run, not in line
             self._copies.setdefault(permit_id_of(parked.req), []).append(parked)
             return
+        self._by_run[permit_id_of(parked.req)] = parked
         self._pushed += 1
         heapq.heappush(self._heads.setdefault(name, []), (parked.position, self._pushed, parked))
         if name in self._deepest:
@@ -129,8 +131,10 @@ class ParkedTasks:
             self._heads[name] = live
         if self._deepest.get(name) == parked.position:
             self._deepest.pop(name)  # the deepest left: found again when asked
+        run = permit_id_of(req)
+        if self._by_run.get(run) is parked:
+            del self._by_run[run]
         if parked.first_ms < 0:
-            run = permit_id_of(req)
             copies = [p for p in self._copies.get(run, ()) if p is not parked]
             if copies:
                 self._copies[run] = copies
@@ -148,6 +152,11 @@ class ParkedTasks:
                 return parked
             heapq.heappop(heap)  # resumed or gone (a task parked again has an entry of its own)
         return None
+
+    def in_line(self, run: str) -> Parked | None:
+        """The task parked in line under permit id ``run``, not resumed (None: none)."""
+        parked = self._by_run.get(run)
+        return parked if parked is not None and parked.timer is not None else None
 
     def copies_of(self, run: str, name: str) -> list[Parked]:
         """Copies of run ``run`` (permit id) on ``name`` parked until it ends, not resumed."""

@@ -1,0 +1,110 @@
+"""Offers of a grouped semaphore (issue 40): a release wakes the task next in fair order,
+wherever it is parked, through its worker's Pub/Sub channel
+(:mod:`celery_redsem.integration.worker.fair_wakes`). The listener on a real server (offers
+handed on, a killed subscription opened again), then fair shares through real workers on the
+threads and gevent pools (prefork: ``test_fair_workers.py``)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redsem.integration.worker.fair_wakes import FairWakes
+from tests.integration.apps.fair_tasks import make_fair_app
+from tests.integration.conftest import close_app, running_workers
+from tests.integration.test_fair_workers import block, grouped, most, starts, waiting
+from tests.servers import wait_until
+
+APP_MODULE = "tests.integration.apps.fair_worker_app"
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str, module_prefix: str) -> Iterator[Celery]:
+    application = make_fair_app(redis_url, module_prefix)
+    yield application
+    close_app(application)
+
+
+def in_thread(fn: Callable[..., Any], *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def subscription_ids(client: redis.Redis, name: str) -> list[int]:
+    return [int(c["id"]) for c in client.client_list() if c.get("name") == name]
+
+
+def test_the_listener_hands_on_each_offer_and_subscribes_again_after_a_lost_connection(
+    redis_url: str, redis_client: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    got: queue.Queue[str] = queue.Queue()
+    name = f"offers-{prefix}"
+    wakes = FairWakes(redis.Redis.from_url(redis_url, client_name=name), prefix, got.put)
+    assert wakes.channel is None
+    wakes.start_green(in_thread, lambda fn, *args: fn(*args))
+    try:
+        wait_until(lambda: wakes.channel is not None, 5, what="the subscription")
+        channel = wakes.channel
+        assert channel is not None
+        assert channel.startswith(f"{prefix}:offers:")
+        assert redis_client.publish(channel, "run-1") == 1
+        assert got.get(timeout=5) == "run-1"
+        (first,) = subscription_ids(redis_client, name)
+        with caplog.at_level(logging.WARNING, logger="celery_redsem"):
+            redis_client.client_kill_filter(_id=str(first))
+            wait_until(
+                lambda: subscription_ids(redis_client, name) not in ([], [first]),
+                10,
+                what="a new subscription after the old one was killed",
+            )
+        assert "the channel for fair-share offers was lost" in caplog.text
+        wait_until(lambda: redis_client.publish(channel, "run-2") == 1, 5, what="a listener")
+        assert got.get(timeout=5) == "run-2"
+    finally:
+        wakes.close()
+    wait_until(lambda: not subscription_ids(redis_client, name), 5, what="the listener to stop")
+
+
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_accounts_share_by_weight_on_the_threads_and_gevent_pools(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, pool: str
+) -> None:
+    # As test_fair_workers' prefork test: limit 2, a sends 16, b ("pro", weight 2) 16, then
+    # c 4, all parked while the test holds both permits; then they are released.
+    with running_workers(
+        redis_url, module_prefix, tmp_path, [pool], 8, pool=pool, app_module=APP_MODULE
+    ):
+        sem = grouped(app, f"fair:{key}", 2)
+        blockers = block(sem)
+        call = app.tasks["f.call"]
+        sent = [call.delay(key, "a") for _ in range(16)]
+        sent += [call.delay(key, "b", "pro") for _ in range(16)]
+        sent += [call.delay(key, "c") for _ in range(4)]
+        wait_until(lambda: waiting(sem) == len(sent), 30, what="every task in the fair line")
+        offers = redis.Redis.from_url(redis_url).pubsub()
+        offers.psubscribe(f"{module_prefix}:offers:*")
+        for permit in blockers:
+            assert sem.release(permit)
+        assert [r.get(timeout=60) for r in sent] == ["a"] * 16 + ["b"] * 16 + ["c"] * 4
+        told = 0
+        while (message := offers.get_message(timeout=0.2)) is not None:  # (None: all read)
+            told += message["type"] == "pmessage"
+        offers.close()
+    # Parked tasks were woken by offers (each release offers the next one its permit).
+    assert told >= 10
+    order = starts(app, key)
+    assert len(order) == len(sent)
+    assert most(app, key) <= 2
+    window = order[:24]  # while every account waits
+    assert window.count("c") == 4, order
+    assert window.count("b") >= window.count("a") >= 4, order
+    assert max(i for i, account in enumerate(order) if account == "c") < 20, order
