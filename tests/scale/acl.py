@@ -27,7 +27,7 @@ def acl_words(prefix: str, user: str) -> list[str]:
     assert words[:3] == ["ACL", "SETUSER", "redsem"]
     assert "~redsem:*" in words
     assert ">CHANGE-ME" in words
-    swap = {"~redsem:*": f"~{prefix}:*", ">CHANGE-ME": f">{PASSWORD}"}
+    swap = {"~redsem:*": f"~{prefix}:*", "&redsem:*": f"&{prefix}:*", ">CHANGE-ME": f">{PASSWORD}"}
     return [user] + [swap.get(w, w) for w in words[3:]]
 
 

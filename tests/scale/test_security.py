@@ -88,6 +88,18 @@ def _exercise_everything(client: redis.Redis, prefix: str) -> None:
     assert refresh_permits(client, [held]).refreshed
     assert fair.release(held)
     assert isinstance(fair.attempt("f-2", join_line=True, group="b"), Permit)
+    # A Celery worker's channel for offers (worker/fair_wakes.py), and an offer on it.
+    offers = client.pubsub()
+    channel = f"{prefix}:offers:worker-1"
+    offers.subscribe(channel)
+    assert offers.get_message(timeout=5)["type"] == "subscribe"
+    assert isinstance(
+        fair.attempt("f-3", join_line=True, group="c", back_in=20, waiter_lease=30, notify=channel),
+        Waiting,
+    )
+    assert fair.release("f-2")
+    assert offers.get_message(timeout=5)["data"] == b"f-3"
+    offers.close()
     acked = Lock(client, "acked", prefix=prefix, min_replicas=1, replica_timeout=0.05)
     with pytest.raises(NotEnoughReplicas):  # WAIT and INFO allowed: the clear error, not NOPERM
         acked.acquire()
