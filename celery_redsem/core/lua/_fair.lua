@@ -188,7 +188,7 @@ local function fair_helpers(holders, now, h)
       if until_ms > now + f.OFFER_MS then
         redis.call('ZADD', f.key('fwx', group), now + f.OFFER_MS, id)
       end
-      redis.call('PUBLISH', channel, id)
+      redis.pcall('PUBLISH', channel, id) -- (a refusal must not undo the call's writes)
       return true
     end
     local key = h.wake_key(holders, id)
