@@ -2,7 +2,7 @@
 wherever it is parked, through its worker's Pub/Sub channel
 (:mod:`celery_redsem.integration.worker.fair_wakes`). The listener on a real server (offers
 handed on, a killed subscription opened again), then fair shares through real workers on the
-threads and gevent pools (prefork: ``test_fair_workers.py``)."""
+threads, gevent and eventlet pools (prefork: ``test_fair_workers.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,14 @@ from celery import Celery
 from celery_redsem.integration.worker.fair_wakes import FairWakes
 from tests.integration.apps.fair_tasks import make_fair_app
 from tests.integration.conftest import close_app, running_workers
-from tests.integration.test_fair_workers import block, grouped, most, starts, waiting
+from tests.integration.test_fair_workers import (
+    block,
+    counting_offers,
+    grouped,
+    most,
+    starts,
+    waiting,
+)
 from tests.servers import wait_until
 
 APP_MODULE = "tests.integration.apps.fair_worker_app"
@@ -74,8 +81,8 @@ def test_the_listener_hands_on_each_offer_and_subscribes_again_after_a_lost_conn
     wait_until(lambda: not subscription_ids(redis_client, name), 5, what="the listener to stop")
 
 
-@pytest.mark.parametrize("pool", ["threads", "gevent"])
-def test_accounts_share_by_weight_on_the_threads_and_gevent_pools(
+@pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])
+def test_accounts_share_by_weight_on_the_threads_gevent_and_eventlet_pools(
     app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, pool: str
 ) -> None:
     # As test_fair_workers' prefork test: limit 2, a sends 16, b ("pro", weight 2) 16, then
@@ -90,17 +97,11 @@ def test_accounts_share_by_weight_on_the_threads_and_gevent_pools(
         sent += [call.delay(key, "b", "pro") for _ in range(16)]
         sent += [call.delay(key, "c") for _ in range(4)]
         wait_until(lambda: waiting(sem) == len(sent), 30, what="every task in the fair line")
-        offers = redis.Redis.from_url(redis_url).pubsub()
-        offers.psubscribe(f"{module_prefix}:offers:*")
-        for permit in blockers:
-            assert sem.release(permit)
-        assert [r.get(timeout=60) for r in sent] == ["a"] * 16 + ["b"] * 16 + ["c"] * 4
-        told = 0
-        while (message := offers.get_message(timeout=0.2)) is not None:  # (None: all read)
-            told += message["type"] == "pmessage"
-        offers.close()
-    # Parked tasks were woken by offers (each release offers the next one its permit).
-    assert told >= 10
+        with counting_offers(app) as offers:
+            for permit in blockers:
+                assert sem.release(permit)
+            assert [r.get(timeout=60) for r in sent] == ["a"] * 16 + ["b"] * 16 + ["c"] * 4
+    assert offers() >= 10, "parked tasks are woken by offers"
     order = starts(app, key)
     assert len(order) == len(sent)
     assert most(app, key) <= 2

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,24 @@ def most(app: Celery, key: str) -> int:
         client.close()
 
 
+@contextmanager
+def counting_offers(app: Celery) -> Iterator[Callable[[], int]]:
+    """Count the offers published to the app's workers while the block runs; the count is
+    read after it."""
+    client = redis.Redis.from_url(app.conf.broker_url)
+    pubsub = client.pubsub()
+    pubsub.psubscribe(f"{app.conf.redsem_key_prefix}:offers:*")
+    assert pubsub.get_message(timeout=5)["type"] == "psubscribe"
+    told = 0
+    try:
+        yield lambda: told
+        while (message := pubsub.get_message(timeout=0.2)) is not None:  # (None: all read)
+            told += message["type"] == "pmessage"
+    finally:
+        pubsub.close()
+        client.close()
+
+
 def waiting(sem: FairSemaphore) -> int:
     return sum(g.waiting for g in sem.groups())
 
@@ -89,9 +108,11 @@ def test_accounts_share_by_weight_and_a_late_one_is_served_at_once(
     sent += [call.delay(key, "b", "pro") for _ in range(16)]
     sent += [call.delay(key, "c") for _ in range(4)]
     wait_until(lambda: waiting(sem) == len(sent), 30, what="every task in the fair line")
-    for permit in blockers:
-        assert sem.release(permit)
-    assert [r.get(timeout=60) for r in sent] == ["a"] * 16 + ["b"] * 16 + ["c"] * 4
+    with counting_offers(app) as offers:
+        for permit in blockers:
+            assert sem.release(permit)
+        assert [r.get(timeout=60) for r in sent] == ["a"] * 16 + ["b"] * 16 + ["c"] * 4
+    assert offers() >= 10, "parked tasks are woken by offers (worker/fair_wakes.py)"
     order = starts(app, key)
     assert len(order) == len(sent)
     assert most(app, key) <= 2

@@ -188,7 +188,7 @@ local function fair_helpers(holders, now, h)
       if until_ms > now + f.OFFER_MS then
         redis.call('ZADD', f.key('fwx', group), now + f.OFFER_MS, id)
       end
-      redis.pcall('PUBLISH', channel, id) -- (a refusal must not undo the call's writes)
+      redis.pcall('PUBLISH', channel, id) -- (refused, it must not stop the script half-way)
       return true
     end
     local key = h.wake_key(holders, id)
