@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -98,6 +99,37 @@ def test_the_listener_hands_on_each_offer_and_subscribes_again_after_a_lost_conn
     finally:
         wakes.close()
     wait_until(lambda: not subscription_ids(redis_client, name), 5, what="the listener to stop")
+
+
+def test_a_listener_that_cannot_subscribe_tries_less_often_and_warns_once(
+    redis_url: str, prefix: str
+) -> None:
+    # Nothing listens on the port: each try fails at once. (On the event loop a try waits for
+    # the connection, so an outage must not make it try every second; nor log every try.)
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    closed_url = f"redis://127.0.0.1:{port.getsockname()[1]}/0"
+    port.close()
+    got: queue.Queue[str] = queue.Queue()
+    wakes = FairWakes(redis.Redis.from_url(closed_url), prefix, got.put)
+    warnings = Recorded()
+    logger = logging.getLogger("celery_redsem.integration.worker.fair_wakes")
+    logger.addHandler(warnings)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    delays = []
+    try:
+        for _ in range(7):
+            with pytest.raises(redis.ConnectionError):
+                wakes._subscribed()
+            delays.append(wakes._lost(redis.ConnectionError("refused")))
+    finally:
+        logger.removeHandler(warnings)
+        logger.setLevel(level)
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert len(warnings.messages) == 1
+    assert "next try in 1s" in warnings.messages[0]
+    assert wakes.channel is None  # asks give no channel meanwhile
 
 
 @pytest.mark.parametrize("pool", ["threads", "gevent", "eventlet"])

@@ -11,9 +11,10 @@ the channel. :class:`FairWakes` listens and hands the id to admission, which wak
 
 On pools with an event loop (prefork, threads) the subscription's socket is read when the
 loop sees it readable; on gevent and eventlet a greenlet waits on it. A lost connection is
-opened again a second later; meanwhile no ask gives the channel (:attr:`FairWakes.channel` is
-None), so no permit is held for a task that would not hear of it, and parked tasks of grouped
-semaphores are woken as the others are (by their timers, and by runs ending here).
+opened again a second later (then less often while that fails, up to every 30 s); meanwhile
+no ask gives the channel (:attr:`FairWakes.channel` is None), so no permit is held for a task
+that would not hear of it, and parked tasks of grouped semaphores are woken as the others are
+(by their timers, and by runs ending here).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +31,17 @@ import redis
 from celery_redsem.core.connections import socket_fileno
 from celery_redsem.core.errors import REDIS_ERRORS
 
-__all__ = ["OFFER_SECONDS", "RECONNECT_AFTER", "FairWakes", "Offers"]
+__all__ = ["OFFER_SECONDS", "RECONNECT_AFTER", "RECONNECT_AT_MOST", "FairWakes", "Offers"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds before a lost subscription is opened again.
+#: Seconds before a lost subscription is opened again; doubled after each try that fails, up
+#: to :data:`RECONNECT_AT_MOST` (a try on the event loop waits for the connection).
 RECONNECT_AFTER = 1.0
+RECONNECT_AT_MOST = 30.0
 #: Seconds an offered place holds its permit (``OFFER_MS`` in ``_fair.lua``).
 OFFER_SECONDS = 2.0
+_MAX_NAMES = 4096
 
 
 class FairWakes:
@@ -56,6 +61,7 @@ class FairWakes:
         self._hub: Any = None
         self._fd: int | None = None
         self._closed = False
+        self._failed = 0  # tries to subscribe that failed in a row
 
     @staticmethod
     def usable(client: object) -> bool:
@@ -84,7 +90,7 @@ class FairWakes:
         except REDIS_ERRORS as exc:
             self._lost(exc)
             return
-        self._pubsub, self._fd = pubsub, fd
+        self._pubsub, self._fd, self._failed = pubsub, fd, 0
         self._hub.add_reader(fd, self._on_readable)
 
     def _on_readable(self, *_: Any) -> None:
@@ -110,10 +116,10 @@ class FairWakes:
                 pubsub = self._pubsub
                 if pubsub is None:
                     pubsub = self._pubsub = self._subscribed()
+                    self._failed = 0
                 message = pubsub.get_message(True, timeout=RECONNECT_AFTER)
             except Exception as exc:  # (this greenlet must go on: a Redis error above all)
-                self._lost(exc)
-                time.sleep(RECONNECT_AFTER)  # (patched: this greenlet only)
+                time.sleep(self._lost(exc))  # (patched: this greenlet only)
                 continue
             if message is not None:
                 self._hand_on(message, call_soon)
@@ -154,8 +160,9 @@ class FairWakes:
         except Exception:  # one task's wake-up must not stop the others
             logger.exception("celery_redsem: admission failed to act on the offer to %s", permit_id)
 
-    def _lost(self, exc: BaseException) -> None:
-        """Drop the subscription (asks give no channel meanwhile); open it again later."""
+    def _lost(self, exc: BaseException) -> float:
+        """Drop the subscription (asks give no channel meanwhile); open it again later: the
+        seconds until then (the event loop's timer does it; a greenlet sleeps them)."""
         pubsub, fd = self._pubsub, self._fd
         self._pubsub = self._fd = None
         if fd is not None and self._hub is not None:
@@ -171,14 +178,20 @@ class FairWakes:
             except Exception:
                 logger.debug("celery_redsem: could not close the offers' Pub/Sub", exc_info=True)
         if self._closed:
-            return
-        logger.warning(
-            "celery_redsem: the channel for fair-share offers was lost (%s); parked tasks of "
-            "grouped semaphores wait for their timers until it is back",
-            exc,
-        )
+            return 0.0
+        delay: float = min(RECONNECT_AT_MOST, RECONNECT_AFTER * 2.0**self._failed)
+        self._failed += 1
+        if pubsub is not None or self._failed == 1:  # (not once per try of an outage)
+            logger.warning(
+                "celery_redsem: the channel for fair-share offers was lost (%s); parked tasks "
+                "of grouped semaphores wait for their timers until it is back (next try in "
+                "%.0fs, then less often)",
+                exc,
+                delay,
+            )
         if self._hub is not None:
-            self._hub.call_later(RECONNECT_AFTER, self._subscribe_in_hub)
+            self._hub.call_later(delay, self._subscribe_in_hub)
+        return delay
 
     def close(self) -> None:
         """Stop listening (the worker stops; a greenlet listening stops within a second)."""
@@ -194,7 +207,9 @@ class Offers:
 
     def __init__(self) -> None:
         self._wakes: FairWakes | None = None
-        self._names: set[str] = set()  # grouped semaphores asked for with the channel
+        # Grouped semaphores asked for with the channel, the latest last (at most _MAX_NAMES:
+        # a name asked for long ago has its parked tasks woken as any semaphore's are).
+        self._names: OrderedDict[str, None] = OrderedDict()
         self._early: dict[str, float] = {}  # permit id -> when its offer came (monotonic)
         self._lot: Any = None
 
@@ -220,7 +235,11 @@ class Offers:
         channel = self._wakes.channel if self._wakes is not None else None
         if channel is None or getattr(sem, "group", None) is None:
             return None
-        self._names.add(sem.name)
+        names = self._names
+        names[sem.name] = None
+        names.move_to_end(sem.name)
+        if len(names) > _MAX_NAMES:
+            names.popitem(last=False)
         return channel
 
     def wake_by_offers(self, name: str) -> bool:
