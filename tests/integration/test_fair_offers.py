@@ -21,14 +21,7 @@ from celery import Celery
 from celery_redsem.integration.worker.fair_wakes import FairWakes
 from tests.integration.apps.fair_tasks import make_fair_app
 from tests.integration.conftest import close_app, running_workers
-from tests.integration.test_fair_workers import (
-    block,
-    counting_offers,
-    grouped,
-    most,
-    starts,
-    waiting,
-)
+from tests.integration.test_fair_workers import accounts_share_by_weight
 from tests.servers import wait_until
 
 APP_MODULE = "tests.integration.apps.fair_worker_app"
@@ -136,27 +129,8 @@ def test_a_listener_that_cannot_subscribe_tries_less_often_and_warns_once(
 def test_accounts_share_by_weight_on_the_threads_gevent_and_eventlet_pools(
     app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, pool: str
 ) -> None:
-    # As test_fair_workers' prefork test: limit 2, a sends 16, b ("pro", weight 2) 16, then
-    # c 4, all parked while the test holds both permits; then they are released.
+    # As test_fair_workers' prefork test, on one worker of the pool.
     with running_workers(
         redis_url, module_prefix, tmp_path, [pool], 8, pool=pool, app_module=APP_MODULE
     ):
-        sem = grouped(app, f"fair:{key}", 2)
-        blockers = block(sem)
-        call = app.tasks["f.call"]
-        sent = [call.delay(key, "a") for _ in range(16)]
-        sent += [call.delay(key, "b", "pro") for _ in range(16)]
-        sent += [call.delay(key, "c") for _ in range(4)]
-        wait_until(lambda: waiting(sem) == len(sent), 30, what="every task in the fair line")
-        with counting_offers(app) as offers:
-            for permit in blockers:
-                assert sem.release(permit)
-            assert [r.get(timeout=60) for r in sent] == ["a"] * 16 + ["b"] * 16 + ["c"] * 4
-    assert offers() >= 10, "parked tasks are woken by offers"
-    order = starts(app, key)
-    assert len(order) == len(sent)
-    assert most(app, key) <= 2
-    window = order[:24]  # while every account waits
-    assert window.count("c") == 4, order
-    assert window.count("b") >= window.count("a") >= 4, order
-    assert max(i for i, account in enumerate(order) if account == "c") < 20, order
+        accounts_share_by_weight(app, key)

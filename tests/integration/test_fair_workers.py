@@ -97,10 +97,15 @@ def waiting(sem: FairSemaphore) -> int:
 def test_accounts_share_by_weight_and_a_late_one_is_served_at_once(
     app: Celery, worker: WorkerProcess, key: str
 ) -> None:
-    # Limit 2. While two test permits block the semaphore, account a sends 16 tasks, then b
-    # (plan "pro": weight 2) 16, then c 4. Every task parks in the worker's line. Then the
-    # permits are released: b gets at least a's starts while all three wait, and c's 4 are
-    # done within the first rounds, not after the 32 before them.
+    accounts_share_by_weight(app, key)
+
+
+def accounts_share_by_weight(app: Celery, key: str) -> None:
+    """Limit 2. While two test permits block the semaphore, account a sends 16 tasks, then b
+    (plan "pro": weight 2) 16, then c 4. Every task parks in the workers' line. Then the
+    permits are released: b gets at least a's starts while all three wait, and c's 4 are
+    done within the first rounds, not after the 32 before them (also on the other pools:
+    ``test_fair_offers.py``)."""
     sem = grouped(app, f"fair:{key}", 2)
     blockers = block(sem)
     call = app.tasks["f.call"]
