@@ -14,6 +14,7 @@ import os
 import platform
 import socket
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,7 @@ __all__ = [
     "Broker",
     "amqp_broker",
     "broker_leg",
+    "broker_legs",
     "drop_queue",
     "host_line",
     "isolated_app",
@@ -73,6 +75,26 @@ def broker_leg(name: str, redis_url: str, redis_version: str, amqp_url: str) -> 
     if name == "redis":
         return Broker("redis", redis_url, redis_version)
     return amqp_broker(amqp_url)
+
+
+def broker_legs(
+    names: Iterable[str],
+    server: Any,
+    amqp_url: str,
+    skipped: Callable[[str], None] | None = None,
+) -> Iterator[tuple[Broker, str]]:
+    """Each usable broker of ``names`` (see :func:`broker_leg`) with the host line to print
+    for it, the benchmark's Redis ``server`` holding the semaphores and results; a broker that
+    cannot be used is skipped with a printed line (and ``skipped(name)``)."""
+    version = server.version + (", embedded" if server.embedded else "")
+    for name in names:
+        broker = broker_leg(name, server.url, version, amqp_url)
+        if isinstance(broker, str):
+            print(f"\n[{name}] skipped: {broker}")
+            if skipped is not None:
+                skipped(name)
+            continue
+        yield broker, host_line(broker, version)
 
 
 def isolated_app(name: str, url: str, broker_url: str, prefix: str, **settings: Any) -> Celery:

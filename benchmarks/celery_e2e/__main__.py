@@ -12,7 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from benchmarks._brokers import AMQP_URL, broker_leg, host_line
+from benchmarks._brokers import AMQP_URL, broker_legs
 from benchmarks._server import bench_server
 from benchmarks.celery_e2e import hot, scenarios, stops
 from benchmarks.celery_e2e.harness import POOL_CONCURRENCY, Bench, open_bench, pool_slots
@@ -167,19 +167,16 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.suppress(AttributeError):
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     verdicts: list[str] = []
+
+    def skipped(name: str) -> None:
+        verdicts.append(f"{name}: skipped")
+
     with bench_server() as server:
-        embedded = ", embedded" if server.embedded else ""
-        for name in args.brokers:
-            broker = broker_leg(name, server.url, server.version + embedded, args.amqp_url)
-            if isinstance(broker, str):
-                print(f"\n[{name}] skipped: {broker}")
-                verdicts.append(f"{name}: skipped")
-                continue
+        for broker, host in broker_legs(args.brokers, server, args.amqp_url, skipped):
             for pool in args.pools:
                 for scenario in args.names:
                     where = broker.name if pool == "prefork" else f"{broker.name}, -P {pool}"
                     print(f"\n== {scenario} [broker {where}] ==")
-                    host = host_line(broker, server.version + embedded)
                     print(host + load_line(args, pool, scenario))
                     try:
                         with open_bench(server, broker, on_pool(args, pool)) as bench:

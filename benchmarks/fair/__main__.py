@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from benchmarks._brokers import AMQP_URL, Broker, broker_leg, drop_queue, host_line
+from benchmarks._brokers import AMQP_URL, Broker, broker_legs, drop_queue
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
 from benchmarks.fair.app import GROUP_LIMIT, LIMIT, make_app, worker_environ
 
@@ -230,14 +230,9 @@ def main() -> int:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     met = True
     with bench_server() as server:
-        embedded = ", embedded" if server.embedded else ""
-        for name in args.brokers.split(","):
-            broker = broker_leg(name, server.url, server.version + embedded, args.amqp_url)
-            if isinstance(broker, str):
-                print(f"\n[{name}] skipped: {broker}")
-                continue
+        for broker, host in broker_legs(args.brokers.split(","), server, args.amqp_url):
             print(f"\n== fair share [broker {broker.name}] ==")
-            print(host_line(broker, server.version + embedded))
+            print(host)
             print(
                 f"a, b, c send {', '.join(map(str, args.counts))} tasks in that order, limit "
                 f"{LIMIT}, bodies {args.hold:g}s, two workers -c 4; "

@@ -37,7 +37,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from benchmarks._brokers import AMQP_URL, Broker, broker_leg, drop_queue, host_line
+from benchmarks._brokers import AMQP_URL, Broker, broker_legs, drop_queue
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
 from benchmarks.rate.app import make_app, worker_environ
 from benchmarks.rate.budgets import (
@@ -257,14 +257,9 @@ def main() -> int:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     met = True
     with bench_server() as server:
-        embedded = ", embedded" if server.embedded else ""
-        for name in args.brokers.split(","):
-            broker = broker_leg(name, server.url, server.version + embedded, args.amqp_url)
-            if isinstance(broker, str):
-                print(f"\n[{name}] skipped: {broker}")
-                continue
+        for broker, host in broker_legs(args.brokers.split(","), server, args.amqp_url):
             print(f"\n== rate [broker {broker.name}] ==")
-            print(host_line(broker, server.version + embedded))
+            print(host)
             print(
                 f"{args.hot} tasks on 'hot' then {args.cold} on 'cold', {args.rate:g}/s per key, "
                 f"two workers -c {args.concurrency}; {time.strftime('%Y-%m-%d %H:%M')}"
