@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,10 +25,10 @@ from celery import Celery
 
 from benchmarks._brokers import Broker, drop_queue
 from benchmarks._server import BenchServer, delete_prefix, unique_prefix
+from benchmarks._workers import ROOT, stop_workers, wait_workers_ready
 from benchmarks.celery_e2e.app import WorkerConfig, make_app
 from benchmarks.cpu import CpuMeter, CpuReading, local_redis_pid, per_task
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER_APP = "benchmarks.celery_e2e.worker"  # what the workers' ``celery -A`` loads
 
 
@@ -154,28 +153,6 @@ def start_workers(
             )
         )
     return procs
-
-
-def stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def wait_workers_ready(app: Celery, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        replies = app.control.ping(timeout=0.5) or []
-        if len(replies) >= count:
-            return
-    raise RuntimeError(f"{count} workers did not come up within {timeout}s")
 
 
 def warm_up(bench: Bench, tag: str, count: int) -> None:

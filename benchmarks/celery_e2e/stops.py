@@ -34,6 +34,7 @@ import subprocess
 import time
 from typing import Any
 
+from benchmarks._workers import stop_workers, wait_workers_ready
 from benchmarks.celery_e2e.harness import (
     Bench,
     log_dir,
@@ -42,8 +43,6 @@ from benchmarks.celery_e2e.harness import (
     publish,
     run_name,
     start_workers,
-    stop_workers,
-    wait_workers_ready,
     warm_up,
 )
 from benchmarks.celery_e2e.ledger import CATEGORIES, Ledger, build_ledger, is_defect

@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
 
 from benchmarks._brokers import AMQP_URL, Broker, broker_legs, drop_queue
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
+from benchmarks._workers import start_prefork_workers, stop_workers, wait_workers_ready
 from benchmarks.fair.app import GROUP_LIMIT, LIMIT, make_app, worker_environ
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER_APP = "benchmarks.fair.worker"  # what the workers' ``celery -A`` loads
 ACCOUNTS = ("a", "b", "c")
 #: (label, task variant, weights of a, b, c)
@@ -73,44 +70,15 @@ class Run:
         return count / (self.rate * self.weights[2] / sum(self.weights))
 
 
-def _workers(broker: Broker, url: str, prefix: str, hold: float) -> list[Any]:
-    env = {**os.environ, **worker_environ(url, broker.url, prefix, hold), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "celery", "-A", WORKER_APP, "worker"]
-    options = ["-P", "prefork", "-c", "4", "-l", "WARNING", "--without-gossip"]
-    return [
-        subprocess.Popen(
-            [*command, *options, "--without-mingle", "-n", f"fair{n}-{prefix}@%h"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for n in range(2)
-    ]
-
-
-def _stop(workers: list[Any]) -> None:
-    for worker in workers:
-        worker.terminate()
-    for worker in workers:
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
-
-
 def run_variant(broker: Broker, url: str, label: str, variant: str, weights: Any, args: Any) -> Run:
     """One variant on fresh workers."""
     prefix = unique_prefix()
     bench = make_app(url, broker.url, prefix, args.hold)
     client = redis.Redis.from_url(url)
-    workers = _workers(broker, url, prefix, args.hold)
+    environ = worker_environ(url, broker.url, prefix, args.hold)
+    workers = start_prefork_workers(WORKER_APP, environ, [f"fair{n}-{prefix}" for n in (0, 1)], 4)
     try:
-        deadline = time.monotonic() + 60
-        while len(bench.control.ping(timeout=0.5) or []) < 2:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the two workers did not answer a ping within 60 s")
+        wait_workers_ready(bench, 2)
         task = bench.tasks[f"bench.{variant}"]
         results, small_sent = [], 0.0
         for account, count, weight in zip(ACCOUNTS, args.counts, weights, strict=True):
@@ -142,7 +110,7 @@ def run_variant(broker: Broker, url: str, label: str, variant: str, weights: Any
             timeline=_timeline(rows),
         )
     finally:
-        _stop(workers)
+        stop_workers(workers, grace=30)
         if not broker.is_redis:
             drop_queue(bench, prefix)
         delete_prefix(client, prefix)

@@ -25,30 +25,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import redis
 from celery import Celery
 
 from benchmarks._brokers import AMQP_URL, Broker, broker_legs, drop_queue
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
+from benchmarks._workers import start_prefork_workers, stop_workers, wait_workers_ready
 from benchmarks.rate.app import make_app, worker_environ
 from benchmarks.rate.budgets import (
     PACE_TARGET,
     SCENARIOS,
     budget_lines,
     run_budget,
-    wait_for_workers,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ("ours", "celery")
 HOT_TARGET = 1.15  # the hot key's time to its last start, at most this x its ideal
 WORKER_APP = "benchmarks.rate.worker"  # what the workers' ``celery -A`` loads
@@ -90,22 +85,6 @@ def _figures(
     )
 
 
-def _workers(broker: Broker, url: str, prefix: str, rate: float, concurrency: int) -> list[Any]:
-    env = {**os.environ, **worker_environ(url, broker.url, prefix, rate), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "celery", "-A", WORKER_APP, "worker"]
-    options = ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "--without-gossip"]
-    return [
-        subprocess.Popen(
-            [*command, *options, "--without-mingle", "-n", f"rate{n}-{prefix}@%h"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for n in range(2)
-    ]
-
-
 @contextlib.contextmanager
 def _fresh_workers(
     broker: Broker, url: str, args: argparse.Namespace
@@ -114,19 +93,14 @@ def _fresh_workers(
     prefix = unique_prefix()
     bench = make_app(url, broker.url, prefix, args.rate)
     client = redis.Redis.from_url(url)
-    workers = _workers(broker, url, prefix, args.rate, args.concurrency)
+    environ = worker_environ(url, broker.url, prefix, args.rate)
+    names = [f"rate{n}-{prefix}" for n in (0, 1)]
+    workers = start_prefork_workers(WORKER_APP, environ, names, args.concurrency)
     try:
-        wait_for_workers(bench)
+        wait_workers_ready(bench, 2)
         yield bench, client, prefix
     finally:
-        for worker in workers:
-            worker.terminate()
-        for worker in workers:
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait(10)
+        stop_workers(workers, grace=30)
         if not broker.is_redis:
             drop_queue(bench, prefix)
         delete_prefix(client, prefix)

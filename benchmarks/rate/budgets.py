@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -154,11 +153,3 @@ def budget_lines(broker: str, figures: BudgetFigures) -> list[str]:
     ]
     lines += [f"  {'MET   ' if met else 'MISSED'} {f.scenario}: {what}" for what, met in checks]
     return lines
-
-
-def wait_for_workers(app: Celery, count: int = 2, timeout: float = 60) -> None:
-    """Return once ``count`` workers answer a ping (RuntimeError after ``timeout`` s)."""
-    deadline = time.monotonic() + timeout
-    while len(app.control.ping(timeout=0.5) or []) < count:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the {count} workers did not answer a ping within {timeout} s")
