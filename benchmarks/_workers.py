@@ -14,21 +14,25 @@ from pathlib import Path
 
 from celery import Celery
 
-__all__ = ["ROOT", "start_prefork_workers", "stop_workers", "wait_workers_ready"]
+__all__ = ["ROOT", "start_workers", "stop_workers", "wait_workers_ready"]
 
 #: The repository's root: the workers' working directory, on their ``PYTHONPATH``.
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_prefork_workers(
-    app_module: str, environ: Mapping[str, str], names: list[str], concurrency: int
+def start_workers(
+    app_module: str,
+    environ: Mapping[str, str],
+    names: list[str],
+    concurrency: int,
+    pool: str = "prefork",
 ) -> list[subprocess.Popen[bytes]]:
-    """A prefork worker ``-c concurrency`` of ``celery -A app_module`` per node name of
+    """A worker ``-P pool -c concurrency`` of ``celery -A app_module`` per node name of
     ``names`` (``<name>@<host>``), with ``environ`` added to this process's environment; their
     output is dropped."""
     env = {**os.environ, **environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "celery", "-A", app_module, "worker"]
-    options = ["-P", "prefork", "-c", str(concurrency), "-l", "WARNING", "--without-gossip"]
+    options = ["-P", pool, "-c", str(concurrency), "-l", "WARNING", "--without-gossip"]
     return [
         subprocess.Popen(
             [*command, *options, "--without-mingle", "-n", f"{name}@%h"],

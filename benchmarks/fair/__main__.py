@@ -1,9 +1,11 @@
 """Fair share by account: a grouped semaphore against a FIFO one, two prefork workers.
 
-Run with ``python -m benchmarks.fair [--counts 300,300,30] [--hold S] [--brokers redis,amqp]``.
+Run with ``python -m benchmarks.fair [--counts 300,300,30] [--hold S] [--brokers redis,amqp]
+[--pool prefork]``.
 The workload is issue 40's acceptance: accounts a, b and c send 300, 300 and 30 tasks, in that
 order, all at once, to a task under one shared limit of 4 (:mod:`benchmarks.fair.app`), through
-two real ``celery worker -P prefork -c 4`` processes, once per variant:
+two real ``celery worker -P prefork -c 4`` processes (``--pool``: another pool), once per
+variant:
 
 * ``fifo``: ``@with_semaphore(4, key=...)``, one line in arrival order;
 * ``fair 1:1:1`` and ``fair 2:1:1``: ``fair_by`` the account, with those weights;
@@ -14,8 +16,8 @@ share of the starts while all three have waiters (from c's first send to c's las
 against its weighted share (target: within 0.05), the time from c's first send to its last
 start against the ideal at its fair share of the measured throughput (and FIFO's), throughput
 against FIFO's (target: >= 0.95), the most runs at once (target: <= 4) and of one account
-(capped: <= 2), and contention retries through the broker. RabbitMQ (``amqp``) is skipped with
-a printed line when nothing answers at ``--amqp-url``.
+(capped: <= 2), every task started once, and contention retries through the broker. RabbitMQ
+(``amqp``) is skipped with a printed line when nothing answers at ``--amqp-url``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import redis
 
 from benchmarks._brokers import AMQP_URL, Broker, broker_legs, drop_queue
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
-from benchmarks._workers import start_prefork_workers, stop_workers, wait_workers_ready
+from benchmarks._workers import start_workers, stop_workers, wait_workers_ready
 from benchmarks.fair.app import GROUP_LIMIT, LIMIT, make_app, worker_environ
 
 WORKER_APP = "benchmarks.fair.worker"  # what the workers' ``celery -A`` loads
@@ -58,6 +60,7 @@ class Run:
     most_one: int  # runs at once of one account
     trips: int  # contention retries through the broker
     failed: int
+    started: int  # body starts (every task once: the tasks sent)
     timeline: dict[str, str]  # per account: its starts over time (see _timeline)
 
     def deviation(self) -> float:
@@ -76,7 +79,8 @@ def run_variant(broker: Broker, url: str, label: str, variant: str, weights: Any
     bench = make_app(url, broker.url, prefix, args.hold)
     client = redis.Redis.from_url(url)
     environ = worker_environ(url, broker.url, prefix, args.hold)
-    workers = start_prefork_workers(WORKER_APP, environ, [f"fair{n}-{prefix}" for n in (0, 1)], 4)
+    names = [f"fair{n}-{prefix}" for n in (0, 1)]
+    workers = start_workers(WORKER_APP, environ, names, 4, args.pool)
     try:
         wait_workers_ready(bench, 2)
         task = bench.tasks[f"bench.{variant}"]
@@ -107,6 +111,7 @@ def run_variant(broker: Broker, url: str, label: str, variant: str, weights: Any
             most_one=max(int(client.get(f"{top}:{a}") or 0) for a in ACCOUNTS),
             trips=sum(c for _, _, c in rows),
             failed=failed,
+            started=len(rows),
             timeline=_timeline(rows),
         )
     finally:
@@ -175,6 +180,8 @@ def _report(runs: list[Run], args: Any) -> bool:
         ("capped: at most 2 of one account", capped.most_one <= GROUP_LIMIT, capped.most_one)
     )
     checks.append(("no task failed", not any(r.failed for r in runs), sum(r.failed for r in runs)))
+    sent = sum(args.counts)
+    checks += [(f"{r.label}: every task started once", r.started == sent, r.started) for r in runs]
     # (Not a target for capped: the last account left runs at most GROUP_LIMIT at once.)
     checks = [c for c in checks if c[0] != "capped: throughput >= 0.95 x fifo"]
     for name, met, figure in checks:
@@ -190,6 +197,9 @@ def main() -> int:
     parser.add_argument("--hold", type=float, default=0.02, help="body seconds (0.02)")
     parser.add_argument("--brokers", default="redis,amqp", metavar="redis,amqp")
     parser.add_argument("--amqp-url", default=AMQP_URL, help="RabbitMQ (default: %(default)s)")
+    parser.add_argument(
+        "--pool", default="prefork", choices=["prefork", "threads", "gevent", "eventlet"]
+    )
     args = parser.parse_args()
     args.counts = [int(n) for n in args.counts.split(",")]
     if len(args.counts) != len(ACCOUNTS):
@@ -203,7 +213,7 @@ def main() -> int:
             print(host)
             print(
                 f"a, b, c send {', '.join(map(str, args.counts))} tasks in that order, limit "
-                f"{LIMIT}, bodies {args.hold:g}s, two workers -c 4; "
+                f"{LIMIT}, bodies {args.hold:g}s, two workers -P {args.pool} -c 4; "
                 f"{time.strftime('%Y-%m-%d %H:%M')}"
             )
             runs = [run_variant(broker, server.url, *v, args) for v in VARIANTS]

@@ -35,7 +35,7 @@ from celery import Celery
 
 from benchmarks._brokers import AMQP_URL, Broker, broker_legs, drop_queue
 from benchmarks._server import bench_server, delete_prefix, unique_prefix
-from benchmarks._workers import start_prefork_workers, stop_workers, wait_workers_ready
+from benchmarks._workers import start_workers, stop_workers, wait_workers_ready
 from benchmarks.rate.app import make_app, worker_environ
 from benchmarks.rate.budgets import (
     PACE_TARGET,
@@ -95,7 +95,7 @@ def _fresh_workers(
     client = redis.Redis.from_url(url)
     environ = worker_environ(url, broker.url, prefix, args.rate)
     names = [f"rate{n}-{prefix}" for n in (0, 1)]
-    workers = start_prefork_workers(WORKER_APP, environ, names, args.concurrency)
+    workers = start_workers(WORKER_APP, environ, names, args.concurrency)
     try:
         wait_workers_ready(bench, 2)
         yield bench, client, prefix
