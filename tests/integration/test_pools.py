@@ -4,6 +4,7 @@ and tasks of other keys sent after it are not held behind it. (Prefork: test_adm
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,39 @@ def test_a_burst_is_parked_within_its_limit_and_other_keys_pass_it(
     counter.close()
     started = _starts(app, key)
     assert sorted(started) == sorted(r.id for r in burst)  # each ran once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_a_green_worker_fetches_behind_a_burst_at_once_when_its_prefetch_window_frees(
+    app: Celery, redis_url: str, module_prefix: str, tmp_path: Path, key: str, pool: str
+) -> None:
+    # A worker of 4 with a prefetch window of 4 messages (on the Redis broker) and a burst of
+    # 60 short tasks on one key: the window fills with the burst, and frees as tasks start and
+    # park. The consumer of a green worker polls the broker in a plain loop, and a poll (or
+    # kombu's sleep) begun with the window full used to wait out its 1-2 s before fetching
+    # again: stalls of 1.6-2 s, several a burst. It is woken when the window frees now.
+    queue = f"window-{pool}-{key}"
+    with running_workers(
+        redis_url,
+        module_prefix,
+        tmp_path,
+        [pool],
+        4,
+        "-Q",
+        queue,
+        pool=pool,
+        worker_prefetch_multiplier=1,
+    ):
+        burst = [app.tasks["t.counted"].apply_async((key, 0.02), queue=queue) for _ in range(60)]
+        outs = [result.get(timeout=90) for result in burst]
+    assert all(out["contention_retries"] == 0 for out in outs)
+    client = redis.Redis.from_url(app.conf.broker_url)
+    try:
+        log = f"{app.conf.redsem_key_prefix}:t:log:{key}:at"
+        starts = sorted(float(t) for t in client.lrange(log, 0, -1))
+    finally:
+        client.close()
+    assert len(starts) == len(burst)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(starts)]
+    assert max(gaps) < 1.0, f"a start waited {max(gaps):.2f}s for the one before"

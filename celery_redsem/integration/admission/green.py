@@ -67,6 +67,8 @@ class GreenLoop:
             self._queue = eventlet.queue.LightQueue()
             self._spawn = eventlet.spawn
         self._dispatcher: Any = None
+        #: Run after each piece of work (the broker poll's wake-up: see ``seam.PollWake``).
+        self.after_work: Callable[[], None] = _nothing
 
     def start(self) -> None:
         """Start the dispatcher greenlet (once)."""
@@ -111,6 +113,14 @@ class GreenLoop:
                 fn(*args)
             except Exception:  # the dispatcher must go on: one task's failure is its own
                 logger.exception("celery_redsem: admission failed in the dispatcher greenlet")
+            try:
+                self.after_work()
+            except Exception:
+                logger.exception("celery_redsem: waking the broker poll failed")
+
+
+def _nothing() -> None:
+    """Nothing to do."""
 
 
 class GreenSlots:

@@ -16,7 +16,6 @@ solo       nothing: each task's pool child (the worker itself) asks
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from celery_redsem.integration import seam
@@ -26,6 +25,7 @@ from celery_redsem.integration.admission.green import (
     GreenSlots,
     green_library,
 )
+from celery_redsem.integration.seam.broker_poll import PollWake
 
 __all__ = ["Wiring", "wire"]
 
@@ -68,8 +68,14 @@ def wire(controller: Any, hook: Callable[[Any], Any]) -> Wiring:
         dispatch = seam.hook_dispatch(controller, hook, slots)
         return Wiring(controller, slots, dispatch, seam.in_loop(controller, slots))
     loop = GreenLoop(library, controller.timer)
+    loop.after_work = poll_wake = PollWake(controller)
     green = GreenSlots(controller.pool.limit, hook, loop)
-    dispatch = seam.hook_dispatch(controller, hook, green, partial(loop.call_soon, green.take))
+
+    def received(req: Any) -> None:  # (in the consumer's greenlet)
+        poll_wake.install()
+        loop.call_soon(green.take, req)
+
+    dispatch = seam.hook_dispatch(controller, hook, green, received)
     loop.start()
     options = getattr(controller.app.conf, "broker_transport_options", None) or {}
     every = options.get("unacked_restore_interval", SWEEP_EVERY)

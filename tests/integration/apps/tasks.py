@@ -2,7 +2,8 @@
 
 Task bodies count themselves in and out with a Lua script on their own Redis connection, so the
 tests check the semaphore against an independent counter: ``<prefix>:t:cur:<key>`` (running now),
-``<prefix>:t:max:<key>`` (most at once) and ``<prefix>:t:log:<key>`` (start/end events in order).
+``<prefix>:t:max:<key>`` (most at once), ``<prefix>:t:log:<key>`` (start/end events in order)
+and ``<prefix>:t:log:<key>:at`` (each start's time on the server's clock).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ _ENTER = """
 local c = redis.call('INCR', KEYS[1])
 if c > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], c) end
 redis.call('RPUSH', KEYS[3], 'start ' .. ARGV[1])
+local t = redis.call('TIME')
+redis.call('RPUSH', KEYS[4], t[1] .. '.' .. string.format('%06d', t[2]))
 return c
 """
 _EXIT = """
@@ -97,13 +100,14 @@ def make_app(redis_url: str, prefix: str, **conf: Any) -> Celery:
     counter = body_client(redis_url)
 
     def keys(key: str) -> list[str]:
-        return [f"{prefix}:t:cur:{key}", f"{prefix}:t:max:{key}", f"{prefix}:t:log:{key}"]
+        log = f"{prefix}:t:log:{key}"
+        return [f"{prefix}:t:cur:{key}", f"{prefix}:t:max:{key}", log, f"{log}:at"]
 
     def enter(key: str, task_id: str) -> None:
-        counter().eval(_ENTER, 3, *keys(key), task_id)
+        counter().eval(_ENTER, 4, *keys(key), task_id)
 
     def leave(key: str, task_id: str) -> None:
-        counter().eval(_EXIT, 3, *keys(key), task_id)
+        counter().eval(_EXIT, 3, *keys(key)[:3], task_id)
 
     def counted_body(key: str, task_id: str, seconds: float) -> None:
         enter(key, task_id)

@@ -22,6 +22,9 @@ kombu ``Hub._pop_ready``                       acks still queued in the event lo
                                                before the worker's connection closes
 kombu Redis ``cycle.maybe_restore_messages``   a dead worker's messages given back, also by a
                                                worker without an event loop
+kombu Redis ``cycle.poller``,                  a worker without an event loop woken from its
+``cycle.on_poll_start``, ``_paused_brpop``     poll when its prefetch window frees
+                                               (:mod:`.broker_poll`)
 worker ``Request._payload`` (its embed)        whether a received message is a canvas step
                                                (coalesce: its canvas goes on from it)
 =============================================  ===============================================
