@@ -41,7 +41,11 @@ from celery_redsem.integration.worker.request import (
     release_task,
     set_pool,
 )
-from celery_redsem.integration.worker.start_checks import StartChecks, refuse_without_redis
+from celery_redsem.integration.worker.start_checks import (
+    GreenEventsCheck,
+    StartChecks,
+    refuse_without_redis,
+)
 
 __all__ = ["AdmissionStep", "PendingAcks", "on_worker_init"]
 
@@ -110,6 +114,7 @@ def on_worker_init(controller: Any) -> None:
         app.steps["consumer"].add(PendingAcks)
     install_dedupe(app)  # tasks this worker sends take their dedupe marks
     app.steps["worker"].add(StartChecks)  # before the worker builds its blueprint from them
+    app.steps["consumer"].add(GreenEventsCheck)  # (says nothing but on gevent and eventlet)
     task_revoked.connect(_on_task_revoked, weak=False, dispatch_uid=f"{__name__}.task_revoked")
     task_received.connect(_on_task_received, weak=False, dispatch_uid=f"{__name__}.received")
 

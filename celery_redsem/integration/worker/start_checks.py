@@ -37,6 +37,7 @@ from celery_redsem.integration.worker.request import has_child_processes
 
 __all__ = [
     "KOMBU_REDIS_CONNECTIONS",
+    "GreenEventsCheck",
     "StartChecks",
     "check_broker_pool",
     "check_eviction_policy",
@@ -134,6 +135,45 @@ class StartChecks(bootsteps.StartStopStep):
         for warning in [*found, *start_warnings(parent.app), pool, visibility]:
             if warning:
                 logger.warning(warning)
+
+
+class GreenEventsCheck(bootsteps.StartStopStep):
+    """A consumer step that warns, once its event dispatcher is made, about Celery's own pace
+    on a gevent or eventlet worker with RabbitMQ (:func:`check_green_event_drain`)."""
+
+    label = "celery_redsem green events check"
+    requires = ("celery.worker.consumer.events:Events",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self._warned = False
+
+    def start(self, parent: Any) -> None:
+        warning = None if self._warned else check_green_event_drain(parent)
+        if warning:
+            self._warned = True
+            logger.warning(warning)
+
+
+def check_green_event_drain(consumer: Any) -> str | None:
+    """A warning if the worker's consumer (without an event loop: gevent, eventlet) drains its
+    event connection after every message it reads: Celery's loop there waits up to 0.1 s on
+    that connection each time (when it sends events and RabbitMQ heartbeats are on), so the
+    worker takes at most about 10 messages a second, guarded or not."""
+    dispatcher = getattr(consumer, "event_dispatcher", None)
+    connection = getattr(dispatcher, "connection", None)
+    green = getattr(getattr(consumer, "pool", None), "is_green", False)
+    if not (green and getattr(dispatcher, "enabled", False) and consumer.amqheartbeat):
+        return None
+    if not getattr(connection, "supports_heartbeats", False):
+        return None
+    return (
+        "celery_redsem: this gevent/eventlet worker reads at most about 10 messages a second "
+        "from RabbitMQ, guarded tasks or not: after each message, Celery's loop waits 0.1 s on "
+        "its event connection when it sends events and broker heartbeats are on. Set "
+        "broker_heartbeat = 0 (Django: CELERY_BROKER_HEARTBEAT), or start the worker with "
+        "--without-heartbeat --without-gossip and without -E"
+    )
 
 
 #: kombu's Redis transport: connections per channel pool unless max_connections says.
