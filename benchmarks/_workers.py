@@ -29,10 +29,13 @@ def start_workers(
 ) -> list[subprocess.Popen[bytes]]:
     """A worker ``-P pool -c concurrency`` of ``celery -A app_module`` per node name of
     ``names`` (``<name>@<host>``), with ``environ`` added to this process's environment; their
-    output is dropped."""
+    output is dropped. They send no events (``--without-heartbeat --without-gossip``): on
+    gevent and eventlet with RabbitMQ, Celery's loop would wait 0.1 s on the event connection
+    after every message (see docs/pools.rst)."""
     env = {**os.environ, **environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "celery", "-A", app_module, "worker"]
     options = ["-P", pool, "-c", str(concurrency), "-l", "WARNING", "--without-gossip"]
+    options.append("--without-heartbeat")
     return [
         subprocess.Popen(
             [*command, *options, "--without-mingle", "-n", f"{name}@%h"],
