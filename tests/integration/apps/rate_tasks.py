@@ -80,13 +80,14 @@ def add_rate_tasks(app: Celery, redis_url: str, prefix: str, *, stacked: bool = 
         client.rpush(f"{prefix}:r:starts:{key}", entry)
 
     def counted(key: str, n: int, request: Any) -> None:
-        keys = [f"{prefix}:t:cur:{key}", f"{prefix}:t:max:{key}", f"{prefix}:t:log:{key}"]
-        counter().eval(_ENTER, 3, *keys, request.id)
+        log = f"{prefix}:t:log:{key}"
+        keys = [f"{prefix}:t:cur:{key}", f"{prefix}:t:max:{key}", log, f"{log}:at"]
+        counter().eval(_ENTER, 4, *keys, request.id)
         try:
             log_start(key, n, request)
             time.sleep(STACK_BODY)
         finally:
-            counter().eval(_EXIT, 3, *keys, request.id)
+            counter().eval(_EXIT, 3, *keys[:3], request.id)
 
     @app.task(shared=False, bind=True, name="r.tick", max_retries=0)
     @with_rate_limit("20/s", key=lambda key: f"rate:{key}")
